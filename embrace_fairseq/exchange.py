@@ -1,0 +1,267 @@
+"""AlltoAll exchanges of a row-sharded table: the sparse half of hybrid communication.
+
+Forward: dedup the ids, bucket them by owner, AlltoAll a small header (counts and
+error flags), AlltoAll the ids, owners gather their rows, AlltoAll the rows back.
+Backward mirrors it: the gradient rows of the unique ids go back to their owners,
+which add them into the shard gradient.
+
+The header doubles as the error channel: a rank that sees an invalid id still takes
+part in the header AlltoAll, flagging the id, so *every* rank raises the same error
+right after that collective instead of hanging in the next one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm_ledger as K
+from .comm_ledger import CommLedger, global_ledger
+from .shard_plan import ShardPlan
+
+# Ids travel as int32 when the vocab fits: half the bytes of int64.
+_INT32_LIMIT = 2**31 - 1
+_HEADER_FIELDS = 3  # (count, has_bad_id, first_bad_id)
+
+
+class InvalidIdError(ValueError):
+    """An id outside ``[0, num_embeddings)`` reached a sharded table (on some rank)."""
+
+
+def _record(ledgers: List[CommLedger], kind: str, sent: int, received: int) -> None:
+    for ledger in ledgers:
+        ledger.record(kind, sent, received)
+
+
+def _ledgers(ledger: Optional[CommLedger]) -> List[CommLedger]:
+    g = global_ledger()
+    return [g] if ledger is None or ledger is g else [g, ledger]
+
+
+def _off_rank(counts: List[int], rank: int) -> int:
+    return sum(c for r, c in enumerate(counts) if r != rank)
+
+
+@dataclass
+class ExchangePlan:
+    """What one forward exchange agreed on; the backward reuses it."""
+
+    plan: ShardPlan
+    group: Optional["dist.ProcessGroup"]
+    rank: int
+    unique_ids: torch.Tensor  # sorted unique ids this rank asked for (U,)
+    inverse: torch.Tensor  # position in the flat batch -> index into unique_ids
+    send_counts: List[int]  # how many unique ids this rank asks of each owner
+    recv_counts: List[int]  # how many ids each requester asks of this rank
+    requested_local: torch.Tensor  # local rows requested of this rank, by requester
+    ledgers: List[CommLedger]
+
+
+def validate_ids(ids: torch.Tensor, num_embeddings: int) -> Optional[int]:
+    """First offending id (the smallest invalid one), or None when all are valid."""
+    if ids.numel() == 0:
+        return None
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        return lo
+    if hi >= num_embeddings:
+        return hi
+    return None
+
+
+def invalid_id_message(bad_id: int, num_embeddings: int, rank: int) -> str:
+    return (
+        f"embedding id {bad_id} is out of range for a table of {num_embeddings} rows "
+        f"(valid ids are 0..{num_embeddings - 1}); seen on rank {rank}"
+    )
+
+
+def plan_exchange(
+    flat_ids: torch.Tensor,
+    plan: ShardPlan,
+    group: Optional["dist.ProcessGroup"],
+    rank: int,
+    ledger: Optional[CommLedger] = None,
+) -> ExchangePlan:
+    """Dedup and bucket the ids, then AlltoAll the header and the ids.
+
+    Collective: every rank of ``group`` must call it, also with an empty batch.
+    Raises :class:`InvalidIdError` on every rank if any rank holds an invalid id.
+    """
+    if flat_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"embedding ids must be an integer tensor, got {flat_ids.dtype}")
+    world = plan.world_size
+    ledgers = _ledgers(ledger)
+    device = flat_ids.device
+    bad = validate_ids(flat_ids, plan.num_embeddings)
+
+    if bad is None:
+        # torch.unique sorts, and shards are contiguous ranges, so the unique ids
+        # arrive already bucketed by owner; searchsorted finds the bucket edges.
+        unique_ids, inverse = torch.unique(flat_ids.long(), sorted=True, return_inverse=True)
+        edges = torch.tensor(plan.boundaries, dtype=torch.long, device=device)
+        cuts = torch.searchsorted(unique_ids, edges)
+        send_counts = (cuts[1:] - cuts[:-1]).tolist()
+    else:
+        unique_ids = flat_ids.new_zeros(0, dtype=torch.long)
+        inverse = flat_ids.new_zeros(0, dtype=torch.long)
+        send_counts = [0] * world
+
+    header = torch.zeros(world, _HEADER_FIELDS, dtype=torch.long, device=device)
+    header[:, 0] = torch.tensor(send_counts, dtype=torch.long)
+    if bad is not None:
+        header[:, 1] = 1
+        header[:, 2] = bad
+    recv_header = torch.empty_like(header)
+    dist.all_to_all_single(recv_header, header, group=group)
+    header_bytes = (world - 1) * _HEADER_FIELDS * header.element_size()
+    _record(ledgers, K.COUNTS, header_bytes, header_bytes)
+
+    flagged = recv_header[:, 1].nonzero().flatten().tolist()
+    if flagged:
+        src = flagged[0]
+        raise InvalidIdError(
+            invalid_id_message(int(recv_header[src, 2]), plan.num_embeddings, src)
+            + (f" (raised on rank {rank} too, so no rank waits in a collective)" if src != rank else "")
+        )
+    recv_counts = recv_header[:, 0].tolist()
+
+    wire = torch.int32 if plan.num_embeddings <= _INT32_LIMIT else torch.long
+    send_ids = unique_ids.to(wire)
+    recv_ids = torch.empty(sum(recv_counts), dtype=wire, device=device)
+    dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group=group)
+    esize = send_ids.element_size()
+    _record(ledgers, K.IDS, _off_rank(send_counts, rank) * esize, _off_rank(recv_counts, rank) * esize)
+
+    start, _ = plan.shard_range(rank)
+    return ExchangePlan(
+        plan=plan,
+        group=group,
+        rank=rank,
+        unique_ids=unique_ids,
+        inverse=inverse,
+        send_counts=send_counts,
+        recv_counts=recv_counts,
+        requested_local=recv_ids.long() - start,
+        ledgers=ledgers,
+    )
+
+
+def fetch_rows(shard: torch.Tensor, xp: ExchangePlan) -> torch.Tensor:
+    """Owners gather the requested rows and AlltoAll them back: ``(U, D)`` rows."""
+    dim = shard.shape[1]
+    out_rows = shard.index_select(0, xp.requested_local)
+    rows = shard.new_empty(len(xp.unique_ids), dim)
+    dist.all_to_all_single(rows, out_rows, xp.send_counts, xp.recv_counts, group=xp.group)
+    row_bytes = dim * shard.element_size()
+    _record(
+        xp.ledgers,
+        K.ROWS,
+        _off_rank(xp.recv_counts, xp.rank) * row_bytes,
+        _off_rank(xp.send_counts, xp.rank) * row_bytes,
+    )
+    return rows
+
+
+def push_grad_rows(
+    grad_unique: torch.Tensor,
+    xp: ExchangePlan,
+    shard_rows: int,
+    scale: float,
+    padding_local: Optional[int] = None,
+) -> torch.Tensor:
+    """Send each unique id's gradient row to its owner; return the shard gradient.
+
+    ``scale`` turns the sum over ranks into the convention the caller wants
+    (``1 / world_size`` gives the data-parallel average that DDP leaves in ``.grad``).
+    """
+    dim = grad_unique.shape[1]
+    grad_unique = grad_unique.contiguous()
+    recv = grad_unique.new_empty(len(xp.requested_local), dim)
+    dist.all_to_all_single(recv, grad_unique, xp.recv_counts, xp.send_counts, group=xp.group)
+    row_bytes = dim * grad_unique.element_size()
+    _record(
+        xp.ledgers,
+        K.GRAD_ROWS,
+        _off_rank(xp.send_counts, xp.rank) * row_bytes,
+        _off_rank(xp.recv_counts, xp.rank) * row_bytes,
+    )
+    grad = grad_unique.new_zeros(shard_rows, dim)
+    grad.index_add_(0, xp.requested_local, recv)
+    if scale != 1.0:
+        grad.mul_(scale)
+    if padding_local is not None:
+        grad[padding_local].zero_()
+    return grad
+
+
+class ShardedLookup(torch.autograd.Function):
+    """Autograd node: shard -> rows of the unique ids (exchange in, grad rows out)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, xp: ExchangePlan, scale: float, padding_local: Optional[int]):  # type: ignore[override]
+        ctx.xp, ctx.scale, ctx.padding_local = xp, scale, padding_local
+        ctx.shard_rows = shard.shape[0]
+        return fetch_rows(shard.detach(), xp)
+
+    @staticmethod
+    def backward(ctx, grad_unique: torch.Tensor):  # type: ignore[override]
+        grad = push_grad_rows(grad_unique, ctx.xp, ctx.shard_rows, ctx.scale, ctx.padding_local)
+        return grad, None, None, None
+
+
+def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
+    # gloo's all_gather needs equal sizes on every rank: pad shards to the largest.
+    world, rows = plan.world_size, plan.max_shard_size
+    padded = shard.new_zeros(rows, *shard.shape[1:])
+    padded[: shard.shape[0]] = shard
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    nbytes = padded.numel() * padded.element_size()
+    _record(ledgers, K.TABLE_GATHER, (world - 1) * nbytes, (world - 1) * nbytes)
+    return torch.cat([p[:n] for p, n in zip(parts, plan.sizes)], dim=0)
+
+
+def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None) -> torch.Tensor:
+    """Full table on every rank (no autograd). Collective."""
+    with torch.no_grad():
+        return _padded_all_gather(shard.detach(), plan, group, rank, _ledgers(ledger))
+
+
+def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:
+    """Sum a full-table gradient over ranks and keep this rank's rows (AlltoAll-based).
+
+    gloo has no reduce_scatter; an AlltoAll of row blocks followed by a local sum moves
+    the same (N-1)/N of the table a ring reduce-scatter would.
+    """
+    world = plan.world_size
+    mine = plan.shard_size(rank)
+    recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
+    dist.all_to_all_single(recv, full_grad.contiguous(), [mine] * world, plan.sizes, group=group)
+    row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
+    _record(ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes, (world - 1) * mine * row_bytes)
+    grad = recv.view(world, mine, *full_grad.shape[1:]).sum(0)
+    if scale != 1.0:
+        grad.mul_(scale)
+    return grad
+
+
+class GatherTable(torch.autograd.Function):
+    """Autograd node: shard -> full table; backward reduce-scatters the table gradient.
+
+    This is how a tied output projection reads a sharded table: the same volume as
+    the dense all-reduce DDP would have spent on it, never more.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledger):  # type: ignore[override]
+        ctx.plan, ctx.group, ctx.rank, ctx.scale = plan, group, rank, scale
+        ctx.ledgers = _ledgers(ledger)
+        return _padded_all_gather(shard.detach(), plan, group, rank, ctx.ledgers)
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
+        grad = reduce_scatter_rows(grad_full, ctx.plan, ctx.group, ctx.rank, ctx.scale, ctx.ledgers)
+        return grad, None, None, None, None, None

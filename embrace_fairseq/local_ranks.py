@@ -1,0 +1,116 @@
+"""Start N real ``torch.distributed`` ranks (gloo) as processes on this machine.
+
+Used by the tests, the demonstration and the benchmarks: each rank is a spawned
+process with its own interpreter, joined through a file store, so collectives are
+the real thing. Any rank failing, or the whole run exceeding its time budget, fails
+the call with every rank's error; no process is left behind.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable, List
+
+import torch
+
+
+class RanksFailed(RuntimeError):
+    """One or more ranks raised, died or timed out."""
+
+
+def _rank_main(fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs):  # pragma: no cover - child
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        out = fn(rank, world, *args, **kwargs)
+        result_q.put((rank, True, out))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        result_q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    pg_timeout_s: float = 60.0,
+    return_errors: bool = False,
+    **kwargs: Any,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns the per-rank results in rank order. ``fn`` must be importable (a module
+    level function) and its result picklable. With ``return_errors=True`` a failed
+    rank's entry is an ``RanksFailed`` holding its traceback instead of raising.
+    """
+    ctx = mp.get_context("spawn")
+    result_q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="embrace_ranks_") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world_size, store, pg_timeout_s, result_q, args, kwargs),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        deadline = _now() + timeout_s
+        try:
+            while len(results) < world_size:
+                remaining = deadline - _now()
+                if remaining <= 0:
+                    break
+                try:
+                    rank, ok, out = result_q.get(timeout=min(remaining, 1.0))
+                    results[rank] = (ok, out)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                    if dead and all(not p.is_alive() for p in procs):
+                        break
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    missing = [r for r in range(world_size) if r not in results]
+    errors = {r: out for r, (ok, out) in results.items() if not ok}
+    if return_errors:
+        return [
+            RanksFailed(results[r][1]) if r in errors else (results[r][1] if r in results else RanksFailed("no result (timeout or crash)"))
+            for r in range(world_size)
+        ]
+    if errors or missing:
+        lines = [f"rank {r}: {msg}" for r, msg in sorted(errors.items())]
+        lines += [f"rank {r}: no result within {timeout_s:.0f}s (hung or crashed)" for r in missing]
+        raise RanksFailed("\n".join(lines))
+    return [results[r][1] for r in range(world_size)]
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

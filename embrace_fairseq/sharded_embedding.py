@@ -1,0 +1,239 @@
+"""``ShardedEmbedding``: a drop-in ``nn.Embedding`` whose rows are spread over ranks.
+
+Each rank stores only its contiguous slice of the table (``.weight``) and looks up
+the rows it needs with AlltoAll (``exchange.py``). Gradients come back the same way,
+scaled so that ``.grad`` holds this rank's rows of the data-parallel *average*
+gradient: exactly what DDP would leave in a replicated table's ``.grad``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm_ledger import CommLedger
+from .exchange import GatherTable, InvalidIdError, ShardedLookup, gather_full, invalid_id_message, plan_exchange, validate_ids
+from .process_group import ProcessGroup, resolve_group
+from .shard_plan import ShardPlan
+
+#: Attribute set on every sharded parameter so adapters can find (and skip) them.
+SHARDED_ATTR = "embrace_sharded"
+
+
+def fairseq_initial_table(
+    num_embeddings: int, embedding_dim: int, padding_idx: Optional[int], dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """The full table fairseq's ``Embedding()`` builds, drawing the RNG the same way.
+
+    fairseq constructs ``nn.Embedding`` (whose own reset draws N(0, 1)) and then
+    re-draws N(0, dim**-0.5) and zeroes the padding row. Consuming the generator
+    identically keeps every module built after the embedding identical too.
+    """
+    table = torch.empty(num_embeddings, embedding_dim, dtype=dtype)
+    table.normal_()  # nn.Embedding.reset_parameters
+    nn.init.normal_(table, mean=0.0, std=embedding_dim**-0.5)
+    if padding_idx is not None:
+        table[padding_idx].zero_()
+    return table
+
+
+class ShardedEmbedding(nn.Module):
+    """Vocab-sharded embedding table with AlltoAll lookups.
+
+    Args:
+        num_embeddings: rows of the full table (any size, any world size).
+        embedding_dim: columns.
+        padding_idx: as in ``nn.Embedding``: a zero row that gets no gradient.
+        process_group: ranks the table is sharded over; ``None`` is the default group,
+            or a plain local embedding when torch.distributed is not initialised.
+        grad_scale: multiplier on the summed gradient rows. ``None`` (default) is
+            ``1 / world_size``: the data-parallel average.
+        ledger: an extra :class:`CommLedger` to record bytes into (the global one always is).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        process_group: ProcessGroup = None,
+        *,
+        grad_scale: Optional[float] = None,
+        ledger: Optional[CommLedger] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx {padding_idx} must be within the table of {num_embeddings} rows")
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.group, self.rank, self.world_size = resolve_group(process_group)
+        self.plan = ShardPlan(num_embeddings, self.world_size)
+        self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
+        self.ledger = ledger
+        start, end = self.plan.shard_range(self.rank)
+        full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
+        self.weight = nn.Parameter(full[start:end].clone().to(device))
+        setattr(self.weight, SHARDED_ATTR, True)
+        self._prefetched: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._consolidated: Optional[Tuple[int, torch.Tensor]] = None
+
+    # ------------------------------------------------------------------ shape info
+    @property
+    def shard_range(self) -> Tuple[int, int]:
+        return self.plan.shard_range(self.rank)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def _padding_local(self) -> Optional[int]:
+        if self.padding_idx is None:
+            return None
+        start, end = self.shard_range
+        return self.padding_idx - start if start <= self.padding_idx < end else None
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s + f", shard={self.shard_range}, world_size={self.world_size}"
+
+    # ------------------------------------------------------------------ lookups
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        for i, (key, out) in enumerate(self._prefetched):
+            if key is ids:
+                del self._prefetched[i]
+                return out
+        return self.forward_many([ids])[0]
+
+    def forward_many(self, ids_list: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Look up several id tensors with a single exchange (e.g. source and target
+        tokens of a shared table). Collective when sharded."""
+        if not self.is_sharded:
+            outs = []
+            for ids in ids_list:
+                bad = validate_ids(ids, self.num_embeddings)
+                if bad is not None:
+                    raise InvalidIdError(invalid_id_message(bad, self.num_embeddings, self.rank))
+                outs.append(F.embedding(ids, self.weight, self.padding_idx))
+            return outs
+        flat = torch.cat([ids.reshape(-1) for ids in ids_list]) if len(ids_list) > 1 else ids_list[0].reshape(-1)
+        xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger)
+        unique_rows = ShardedLookup.apply(self.weight, xp, self.grad_scale, self._padding_local)
+        rows = unique_rows.index_select(0, xp.inverse)  # backward sums rows per unique id
+        outs, offset = [], 0
+        for ids in ids_list:
+            n = ids.numel()
+            outs.append(rows[offset : offset + n].view(*ids.shape, self.embedding_dim))
+            offset += n
+        return outs
+
+    def prefetch(self, *ids_list: torch.Tensor) -> None:
+        """Run one joint exchange now; the next ``forward`` of each of these exact
+        tensors is served from it. Lets the encoder and decoder of a tied table share
+        one exchange without changing their code."""
+        self._prefetched = list(zip(ids_list, self.forward_many(list(ids_list))))
+
+    def clear_prefetch(self) -> None:
+        self._prefetched = []
+
+    def gathered_weight(self) -> torch.Tensor:
+        """The full table as a differentiable tensor (all-gather forward, reduce-scatter
+        backward), for a tied output projection. Collective when sharded."""
+        if not self.is_sharded:
+            return self.weight
+        return GatherTable.apply(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
+
+    # ------------------------------------------------------------------ full table
+    def full_weight(self) -> torch.Tensor:
+        """The full ``(num_embeddings, embedding_dim)`` table on every rank. Collective."""
+        if not self.is_sharded:
+            return self.weight.detach().clone()
+        return gather_full(self.weight, self.plan, self.group, self.rank, self.ledger)
+
+    def gather_shard_state(self, shard_tensor: torch.Tensor) -> torch.Tensor:
+        """Full-table version of any tensor shaped like this rank's shard (e.g. an Adam
+        moment). Collective."""
+        if not self.is_sharded:
+            return shard_tensor.detach().clone()
+        return gather_full(shard_tensor, self.plan, self.group, self.rank, self.ledger)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full-table tensor (no communication)."""
+        if full.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"expected a full table of {self.num_embeddings} rows, got shape {tuple(full.shape)}"
+            )
+        start, end = self.shard_range
+        return full[start:end]
+
+    @torch.no_grad()
+    def load_full_weight(self, full: torch.Tensor) -> None:
+        """Keep this rank's rows of a full table (no communication)."""
+        if tuple(full.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"expected a table of shape ({self.num_embeddings}, {self.embedding_dim}), got {tuple(full.shape)}"
+            )
+        self.weight.copy_(self.shard_of(full))
+
+    # ------------------------------------------------------------------ state dict
+    def consolidate(self) -> torch.Tensor:
+        """Gather the full table and keep it for the next ``state_dict``. Collective:
+        call on every rank before a rank-0-only save."""
+        full = self.full_weight()
+        self._consolidated = (self.weight._version, full)
+        return full
+
+    def _save_to_state_dict(self, destination: Dict, prefix: str, keep_vars: bool) -> None:
+        if not self.is_sharded:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._consolidated is None or self._consolidated[0] != self.weight._version:
+            raise RuntimeError(
+                f"state_dict() of a ShardedEmbedding spread over {self.world_size} ranks needs the full "
+                "table: call embrace_fairseq.consolidate(model) on every rank first (it is a collective)"
+            )
+        destination[prefix + "weight"] = self._consolidated[1]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        key = prefix + "weight"
+        if key in state_dict and self.is_sharded:
+            tensor = state_dict[key]
+            if tensor.shape[0] == self.num_embeddings:
+                state_dict = dict(state_dict)
+                state_dict[key] = self.shard_of(tensor)
+            elif tensor.shape[0] != self.weight.shape[0]:
+                error_msgs.append(
+                    f"{key}: a sharded table of {self.num_embeddings} rows can load the full table or this "
+                    f"rank's shard of {self.weight.shape[0]} rows, not {tuple(tensor.shape)}"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def sharded_embeddings(module: nn.Module) -> List[ShardedEmbedding]:
+    """Every distinct ShardedEmbedding inside ``module`` (tied tables appear once)."""
+    seen, out = set(), []
+    for m in module.modules():
+        if isinstance(m, ShardedEmbedding) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def consolidate(module: nn.Module) -> None:
+    """Gather every sharded table of ``module`` for the next ``state_dict``. Collective."""
+    for emb in sharded_embeddings(module):
+        emb.consolidate()
+
+
+def is_sharded_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, SHARDED_ATTR, False))
