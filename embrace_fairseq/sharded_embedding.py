@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -82,6 +84,8 @@ class ShardedEmbedding(nn.Module):
         full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
         self.weight = nn.Parameter(full[start:end].clone().to(device))
         setattr(self.weight, SHARDED_ATTR, True)
+        # lets optimizer-state glue find the table of a parameter without the module
+        self.weight._embrace_table = weakref.ref(self)
         self._prefetched: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._consolidated: Optional[Tuple[int, torch.Tensor]] = None
 
@@ -237,3 +241,9 @@ def consolidate(module: nn.Module) -> None:
 
 def is_sharded_param(p: torch.Tensor) -> bool:
     return bool(getattr(p, SHARDED_ATTR, False))
+
+
+def table_of(p: torch.Tensor) -> Optional[ShardedEmbedding]:
+    """The ShardedEmbedding whose shard ``p`` is, or None."""
+    ref = getattr(p, "_embrace_table", None)
+    return ref() if ref is not None else None

@@ -3,3 +3,12 @@
 Importing it (``--user-dir user_dir`` does) applies the compatibility fixes in
 :mod:`.compat` and registers the EmbRace architectures. No algorithm lives here.
 """
+# Fixes first: stock fairseq on CPU/torchrun and torch.load(weights_only=True) (see compat.py).
+from . import compat
+
+compat.apply()
+
+from . import trainer_glue
+from . import models  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
+
+trainer_glue.apply()

@@ -1,0 +1,174 @@
+"""EmbRace Transformer and Transformer LM for fairseq.
+
+Each architecture is the stock one with its token embeddings replaced by
+:class:`~embrace_fairseq.ShardedEmbedding` (vocab-sharded over the data-parallel
+ranks) and, when input and output embeddings are tied, the output projection
+reading the sharded table through :class:`~embrace_fairseq.output_projection.TiedShardedProjection`.
+Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch.nn as nn
+from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
+from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
+from fairseq.models.transformer.transformer_decoder import TransformerDecoder
+from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
+from fairseq.utils import safe_getattr
+
+from ..output_projection import TiedShardedProjection
+from ..sharded_embedding import ShardedEmbedding, is_sharded_param
+
+#: stock architecture -> EmbRace architecture registered here
+TRANSLATION_ARCHS = {
+    "transformer": "embrace_transformer",
+    "transformer_iwslt_de_en": "embrace_transformer_iwslt_de_en",
+    "transformer_wmt_en_de": "embrace_transformer_wmt_en_de",
+    "transformer_vaswani_wmt_en_de_big": "embrace_transformer_vaswani_wmt_en_de_big",
+    "transformer_wmt_en_de_big": "embrace_transformer_wmt_en_de_big",
+}
+LM_ARCHS = {
+    "transformer_lm": "embrace_transformer_lm",
+    "transformer_lm_wiki103": "embrace_transformer_lm_wiki103",
+    "transformer_lm_gpt": "embrace_transformer_lm_gpt",
+}
+
+
+class UnsupportedWithSharding(ValueError):
+    """An option that cannot work with vocab-sharded embeddings."""
+
+
+def check_supported(args: Any, lm: bool) -> None:
+    """Stop at start-up on options whose embedding is not a plain table."""
+    problems: List[str] = []
+    if lm and safe_getattr(args, "adaptive_input", False):
+        problems.append("--adaptive-input (its bands are separate tables; use a plain embedding)")
+    if lm and safe_getattr(args, "character_embeddings", False):
+        problems.append("--character-embeddings (no token table to shard)")
+    if safe_getattr(args, "tie_adaptive_weights", False):
+        problems.append("--tie-adaptive-weights")
+    for flag in ("encoder_embed_path", "decoder_embed_path"):
+        if safe_getattr(args, flag, None):
+            problems.append(f"--{flag.replace('_', '-')} (load the vectors into the full table, then shard)")
+    if safe_getattr(args, "base_layers", 0):
+        problems.append("--base-layers")
+    if safe_getattr(args, "model_parallel_size", 1) > 1:
+        problems.append("--model-parallel-size > 1")
+    if problems:
+        raise UnsupportedWithSharding(
+            "EmbRace architectures shard the token embedding over data-parallel ranks; these options "
+            "cannot work with that: " + "; ".join(problems) + ". Use the stock architecture for them."
+        )
+
+
+def build_sharded_embedding(dictionary, embed_dim: int) -> ShardedEmbedding:
+    # The default process group: every data-parallel rank holds a slice.
+    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+
+
+def mark_for_fairseq(model: nn.Module) -> None:
+    """Keep shards out of fairseq's data-parallel reduction.
+
+    ``legacy_ddp`` skips parameters carrying ``expert`` (the BASE-layer convention);
+    torch DDP (``c10d``) skips the names in ``_ddp_params_and_buffers_to_ignore``.
+    The shards' gradients are complete after the AlltoAll of the backward pass.
+    """
+    names = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if is_sharded_param(p) and getattr(p, "_embrace_table")().is_sharded:
+            p.expert = True
+            names.append(name)
+    if names:
+        model._ddp_params_and_buffers_to_ignore = names
+
+
+class ShardedTiedOutputMixin:
+    """Builds the tied output projection against a sharded table."""
+
+    def build_output_projection(self, cfg, dictionary, embed_tokens):  # noqa: D401
+        tied = self.share_input_output_embed and safe_getattr(cfg, "adaptive_softmax_cutoff", None) is None
+        if not (tied and isinstance(embed_tokens, ShardedEmbedding)):
+            return super().build_output_projection(cfg, dictionary, embed_tokens)
+        # The stock decoder builds an nn.Linear here and then ties its weight; build
+        # and drop one so the random stream (and so every later module) is identical.
+        nn.Linear(embed_tokens.embedding_dim, embed_tokens.num_embeddings, bias=False)
+        self.output_projection = TiedShardedProjection(embed_tokens)
+
+
+class EmbraceTransformerDecoderBase(ShardedTiedOutputMixin, TransformerDecoderBase):
+    pass
+
+
+class EmbraceTransformerDecoder(ShardedTiedOutputMixin, TransformerDecoder):
+    pass
+
+
+@register_model("embrace_transformer")
+class EmbraceTransformerModel(TransformerModel):
+    """``transformer`` with vocab-sharded token embeddings (``--arch embrace_transformer*``)."""
+
+    @classmethod
+    def build_model(cls, args, task):
+        check_supported(args, lm=False)
+        model = super().build_model(args, task)
+        mark_for_fairseq(model)
+        return model
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        return build_sharded_embedding(dictionary, embed_dim)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return EmbraceTransformerDecoderBase(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
+        table = self.encoder.embed_tokens
+        if table is self.decoder.embed_tokens and isinstance(table, ShardedEmbedding) and table.is_sharded:
+            # One table read by encoder and decoder: one exchange for both lookups.
+            table.prefetch(src_tokens, prev_output_tokens)
+        return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
+
+
+@dataclass
+class EmbraceTransformerLanguageModelConfig(TransformerLanguageModelConfig):
+    pass
+
+
+@register_model("embrace_transformer_lm", dataclass=EmbraceTransformerLanguageModelConfig)
+class EmbraceTransformerLanguageModel(TransformerLanguageModel):
+    """``transformer_lm`` with a vocab-sharded token embedding (``--arch embrace_transformer_lm*``)."""
+
+    @classmethod
+    def build_model(cls, args, task):
+        check_supported(args, lm=True)
+        # Same steps as TransformerLanguageModel.build_model, with the EmbRace decoder.
+        if args.decoder_layers_to_keep:
+            args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
+        if safe_getattr(args, "max_target_positions", None) is None:
+            args.max_target_positions = safe_getattr(args, "tokens_per_sample", 1024)
+        embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
+        decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True)
+        model = cls(decoder)
+        mark_for_fairseq(model)
+        return model
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        return build_sharded_embedding(dictionary, embed_dim)
+
+
+def _register_architectures() -> None:
+    # Same presets as the stock architectures, under EmbRace names.
+    for stock, ours in TRANSLATION_ARCHS.items():
+        register_model_architecture("embrace_transformer", ours)(ARCH_CONFIG_REGISTRY[stock])
+    for stock, ours in LM_ARCHS.items():
+        if stock == "transformer_lm":
+            continue  # registered by @register_model from the config dataclass, as fairseq does
+        register_model_architecture("embrace_transformer_lm", ours)(ARCH_CONFIG_REGISTRY[stock])
+
+
+_register_architectures()

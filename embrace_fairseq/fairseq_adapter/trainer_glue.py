@@ -1,0 +1,148 @@
+"""Hooks into fairseq's trainer so sharded tables train and checkpoint correctly.
+
+fairseq computes some things globally that must now cover every shard, and saves
+checkpoints from rank 0 only. Each hook is a thin wrapper of one fairseq function;
+the algorithms live in the core modules (grad_norm, optimizer_state).
+
+* ``utils.clip_grad_norm_``: the norm includes all ranks' shard gradients, so clipping
+  and overflow checks take the same decision on every rank.
+* ``Trainer.consolidate_optimizer`` (called on every rank before a save): gathers the
+  full tables and the shards' optimizer state, so rank 0 writes world-size
+  independent checkpoints.
+* ``Trainer.state_dict``: writes those full optimizer states.
+* ``FairseqOptimizer.load_state_dict``: each rank keeps its rows of full states.
+* ``Trainer.__init__``: rejects combinations that cannot work, at start-up.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from fairseq import utils as fairseq_utils
+from fairseq.optim.fairseq_optimizer import FairseqOptimizer
+from fairseq.trainer import Trainer
+
+from ..grad_norm import combine_norms, sharded_sq_norm
+from ..optimizer_state import gather_sharded_state, to_local_state, with_full_state
+from ..sharded_embedding import consolidate, is_sharded_param, sharded_embeddings
+
+_APPLIED = False
+
+
+def _has_sharded_tables(model: torch.nn.Module) -> bool:
+    return any(emb.is_sharded for emb in sharded_embeddings(model))
+
+
+def _clip_grad_norm(original):
+    @functools.wraps(original)
+    @torch.no_grad()
+    def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        params = list(params)
+        sharded = [p for p in params if is_sharded_param(p)]
+        if not sharded:
+            return original(params, max_norm, aggregate_norm_fn)
+        dense = [p for p in params if not is_sharded_param(p)]
+        dense_norm = original(dense, 0.0, aggregate_norm_fn)  # max_norm 0: norm only
+        shard_sq = sharded_sq_norm([p.grad for p in sharded if p.grad is not None])
+        total = combine_norms(dense_norm, shard_sq)
+        if max_norm > 0:
+            clip_coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
+            grads = [p.grad.detach() for p in params if p.grad is not None]
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        return total
+
+    clip_grad_norm_._embrace_wrapped = True  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
+def _consolidate_optimizer(original):
+    @functools.wraps(original)
+    def consolidate_optimizer(self: Trainer) -> Any:
+        self._embrace_full_optim = None
+        if _has_sharded_tables(self.model):
+            consolidate(self.model)  # collective: every rank is here before a save
+            if not self.cfg.checkpoint.no_save_optimizer_state:
+                self._embrace_full_optim = gather_sharded_state(_torch_optimizer(self.optimizer))
+        return original(self)
+
+    return consolidate_optimizer
+
+
+def _state_dict(original):
+    @functools.wraps(original)
+    def state_dict(self: Trainer) -> Any:
+        state = original(self)
+        full = getattr(self, "_embrace_full_optim", None)
+        if full and "last_optimizer_state" in state:
+            state["last_optimizer_state"] = with_full_state(state["last_optimizer_state"], full)
+        return state
+
+    return state_dict
+
+
+def _optimizer_load_state_dict(original):
+    @functools.wraps(original)
+    def load_state_dict(self: FairseqOptimizer, state_dict, optimizer_overrides=None):
+        inner = getattr(self, "_optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            state_dict = to_local_state(state_dict, inner)
+        return original(self, state_dict, optimizer_overrides)
+
+    return load_state_dict
+
+
+def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
+    # FairseqOptimizer -> torch optimizer; fp16 wrappers hold an fp32 FairseqOptimizer.
+    while not isinstance(opt, torch.optim.Optimizer):
+        opt = getattr(opt, "fp32_optimizer", None) or opt.optimizer
+    return opt
+
+
+def validate_training_config(cfg: Any, model: torch.nn.Module) -> None:
+    """Clear start-up errors for combinations that cannot work."""
+    common = cfg.common
+    if common.cpu and (common.fp16 or common.amp or common.memory_efficient_fp16):
+        flag = "--amp" if common.amp else "--fp16"
+        raise ValueError(
+            f"{flag} needs a CUDA device: half-precision training is not supported on CPU (--cpu). "
+            "Drop the flag, or train on GPU."
+        )
+    if _has_sharded_tables(model):
+        backend = cfg.distributed_training.ddp_backend
+        if backend not in ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp"):
+            raise ValueError(
+                f"--ddp-backend {backend} is not supported with EmbRace architectures; "
+                "use legacy_ddp or c10d (the sharded tables do their own exchange)"
+            )
+        # fairseq's FP16Optimizer keeps its own fp32 copies of the parameters, which
+        # lose the marks that tell shards from replicated parameters; the
+        # memory-efficient variants step the model's parameters themselves.
+        if common.fp16 and not common.memory_efficient_fp16:
+            raise ValueError("--fp16 with EmbRace architectures needs --memory-efficient-fp16 as well")
+        if common.bf16 and not common.memory_efficient_bf16:
+            raise ValueError("--bf16 with EmbRace architectures needs --memory-efficient-bf16 as well")
+
+
+def _trainer_init(original):
+    @functools.wraps(original)
+    def __init__(self: Trainer, cfg, task, model, criterion, *args, **kwargs):
+        validate_training_config(cfg, model)
+        return original(self, cfg, task, model, criterion, *args, **kwargs)
+
+    return __init__
+
+
+def apply() -> None:
+    """Install the hooks once (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    fairseq_utils.clip_grad_norm_ = _clip_grad_norm(fairseq_utils.clip_grad_norm_)
+    Trainer.consolidate_optimizer = _consolidate_optimizer(Trainer.consolidate_optimizer)
+    Trainer.state_dict = _state_dict(Trainer.state_dict)
+    Trainer.__init__ = _trainer_init(Trainer.__init__)
+    FairseqOptimizer.load_state_dict = _optimizer_load_state_dict(FairseqOptimizer.load_state_dict)
+    _APPLIED = True
