@@ -16,6 +16,7 @@ the algorithms live in the core modules (grad_norm, optimizer_state).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -135,11 +136,28 @@ def _trainer_init(original):
     return __init__
 
 
+#: Environment variable: digits fairseq's meters keep in logs (fairseq rounds to 3);
+#: comparing two runs closely (e.g. EmbRace vs stock) needs more.
+LOG_PRECISION_ENV = "EMBRACE_LOG_PRECISION"
+
+
+def _log_precision() -> None:
+    digits = os.environ.get(LOG_PRECISION_ENV)
+    if not digits:
+        return
+    from fairseq.logging import meters
+
+    ndigits = int(digits)
+    original = meters.safe_round
+    meters.safe_round = lambda number, _ndigits: original(number, max(ndigits, _ndigits))
+
+
 def apply() -> None:
     """Install the hooks once (idempotent)."""
     global _APPLIED
     if _APPLIED:
         return
+    _log_precision()
     fairseq_utils.clip_grad_norm_ = _clip_grad_norm(fairseq_utils.clip_grad_norm_)
     Trainer.consolidate_optimizer = _consolidate_optimizer(Trainer.consolidate_optimizer)
     Trainer.state_dict = _state_dict(Trainer.state_dict)
