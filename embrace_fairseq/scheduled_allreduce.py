@@ -35,7 +35,8 @@ class ScheduledAllReduce:
         params: the dense parameters, in the order the schedule's specs were built from.
         schedule: the static plan (same on every rank).
         group: process group for the all-reduces (give it one of its own, see module doc).
-        overlap: issue during backward; off issues the same list after backward ends.
+        overlap: issue during backward; off issues the same list in :meth:`finish`,
+            after backward, where stock data parallel engines reduce.
         active: says whether the running backward is one whose gradients get reduced
             (gradient accumulation reduces only at the boundary).
         ledger, tracer: byte accounting and timeline (optional).
@@ -121,7 +122,8 @@ class ScheduledAllReduce:
 
     def _end_of_backward(self) -> None:
         self._mark_all()
-        self._start_thread()
+        if self.overlap:
+            self._start_thread()
 
     def _mark_all(self) -> None:
         # A parameter unused in this step still takes part (as zeros, like stock

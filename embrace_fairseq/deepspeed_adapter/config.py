@@ -1,0 +1,107 @@
+"""The ``"embrace"`` section of a DeepSpeed JSON config: parsing and validation.
+
+DeepSpeed ignores unknown top-level keys silently, so the section is validated here
+(an unknown key or a bad value stops start-up with an error naming it) and removed
+before the rest of the config reaches DeepSpeed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+SECTION = "embrace"
+
+
+class EmbraceConfigError(ValueError):
+    """The ``"embrace"`` section (or its combination with the DeepSpeed config) is invalid."""
+
+
+@dataclass(frozen=True)
+class EmbraceConfig:
+    """Switches and sizes of the EmbRace DeepSpeed hook (all optional in the JSON).
+
+    model_level: order dense collectives by layer, input-near first (off: readiness order).
+    tensor_level: cut buckets into pieces of ``piece_bytes`` (off: whole buckets).
+    overlap: issue the all-reduces during backward (off: after backward, like stock DeepSpeed).
+    piece_bytes: largest collective the tensor level issues.
+    max_in_flight: collectives outstanding at once (credit).
+    bucket_bytes: size of the flat buffers gradients are grouped into.
+    trace: ``None`` or a path prefix: write ``<prefix>.rank<N>.json`` Chrome traces.
+    relaxed_embedding: finish embedding rows the next batch does not read during the
+        next forward. Not implemented: ``true`` is refused at start-up.
+    """
+
+    model_level: bool = True
+    tensor_level: bool = True
+    overlap: bool = True
+    piece_bytes: int = 1 << 20
+    max_in_flight: int = 2
+    bucket_bytes: int = 4 << 20
+    trace: Optional[str] = None
+    relaxed_embedding: bool = False
+
+
+_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding"}
+_POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
+
+
+def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
+    """Validate the ``"embrace"`` mapping; ``None`` or ``{}`` gives the defaults."""
+    if section is None:
+        return EmbraceConfig()
+    if not isinstance(section, Mapping):
+        raise EmbraceConfigError(f'"{SECTION}" must be a JSON object, got {type(section).__name__}')
+    known = [f.name for f in fields(EmbraceConfig)]
+    values: Dict[str, Any] = {}
+    for key, value in section.items():
+        where = f'"{SECTION}.{key}"'
+        if key not in known:
+            raise EmbraceConfigError(f"unknown key {where}; valid keys are: {', '.join(known)}")
+        if key in _BOOLS and not isinstance(value, bool):
+            raise EmbraceConfigError(f"{where} must be true or false, got {value!r}")
+        if key in _POSITIVE_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise EmbraceConfigError(f"{where} must be a positive integer, got {value!r}")
+        if key == "trace" and value is not None and (not isinstance(value, str) or not value):
+            raise EmbraceConfigError(f"{where} must be null or a non-empty path prefix, got {value!r}")
+        values[key] = value
+    if values.get("relaxed_embedding"):
+        raise EmbraceConfigError(
+            f'"{SECTION}.relaxed_embedding": the relaxed embedding dependency is not implemented; set it to false'
+        )
+    return EmbraceConfig(**values)
+
+
+def split_config(config: Union[None, str, Mapping[str, Any]]) -> Tuple[Optional[Dict[str, Any]], EmbraceConfig]:
+    """(DeepSpeed config without the section, parsed section). ``config`` is a dict or a JSON path."""
+    if config is None:
+        return None, EmbraceConfig()
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        raise EmbraceConfigError(f"a DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+    ds = copy.deepcopy(dict(config))
+    return ds, parse_embrace_config(ds.pop(SECTION, None))
+
+
+def check_supported(ds: Mapping[str, Any]) -> None:
+    """Refuse, before DeepSpeed starts, the combinations the hook cannot run correctly."""
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    if stage != 0:
+        raise EmbraceConfigError(
+            f'"zero_optimization.stage": {stage} is not supported with sharded embedding tables: ZeRO '
+            "partitions every parameter of its optimizer over the ranks, and a table shard differs per rank "
+            "(its rows are already partitioned). Use stage 0; the shards' optimizer state is already 1/N per rank."
+        )
+    if (ds.get("bf16") or {}).get("enabled", False):
+        raise EmbraceConfigError(
+            '"bf16.enabled": DeepSpeed\'s bf16 optimizer copies gradients into its own fp32 buffers at the end '
+            "of backward, before the scheduled all-reduce completes; bf16 is not supported by the hook yet"
+        )
+    if (ds.get("fp16") or {}).get("enabled", False) and float(ds.get("gradient_clipping", 0.0) or 0.0) > 0:
+        raise EmbraceConfigError(
+            '"gradient_clipping" with "fp16.enabled": DeepSpeed\'s fp16 optimizer takes the gradient norm '
+            "per rank, which would miss the other ranks' table shards; disable one of them"
+        )

@@ -1,0 +1,142 @@
+"""Per-rank bodies of the DeepSpeed hook tests (spawned in real gloo ranks).
+
+One spawned run trains several engines one after the other (stock DeepSpeed with a
+replicated table, EmbRace variants with a sharded one), because importing and
+starting DeepSpeed dominates the cost of a run.
+"""
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from embrace_fairseq import ShardedEmbedding, fairseq_initial_table
+
+VOCAB, DIM, HIDDEN, BATCH, SEQ = 37, 16, 32, 4, 6
+
+
+def _ds_env(rank, world):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+
+
+class TinyLM(nn.Module):
+    """embedding -> 2 linear layers -> tied or untied output projection."""
+
+    def __init__(self, sharded: bool, tied: bool):
+        super().__init__()
+        torch.manual_seed(1234)
+        if sharded:
+            self.emb = ShardedEmbedding(VOCAB, DIM, padding_idx=1)
+        else:  # same RNG draws as ShardedEmbedding's initial table
+            self.emb = nn.Embedding(VOCAB, DIM, padding_idx=1, _weight=fairseq_initial_table(VOCAB, DIM, 1))
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.tied = tied
+        self.sharded = sharded
+        if not tied:
+            self.out = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids, target):
+        h = self.fc2(torch.tanh(self.fc1(self.emb(ids))))
+        if self.tied:
+            w = self.emb.gathered_weight() if self.sharded else self.emb.weight
+            logits = h @ w.t()
+        else:
+            logits = self.out(h)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+    def full_state(self):
+        # numpy, not tensors: tensors cross the result queue as shared memory that
+        # vanishes with the rank process
+        out = {}
+        for name, p in self.named_parameters():
+            t = self.emb.full_weight() if (self.sharded and p is self.emb.weight) else p.detach()
+            out[name] = t.numpy().copy()
+        return out
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _ds_config(gas=1, clip=0.05, embrace=None, stage=0):
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+    }
+    if embrace is not None:
+        cfg["embrace"] = embrace
+    return cfg
+
+
+def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=None, slow_s=0.0):
+    """Train ``steps`` optimizer steps; return losses, full weights and the trace summary."""
+    import deepspeed
+
+    from embrace_fairseq.deepspeed_adapter import initialize
+
+    model = TinyLM(sharded, tied)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if rank == slow_rank:
+        # a slow rank: its hook on a middle layer sleeps in every backward
+        model.fc1.weight.register_post_accumulate_grad_hook(lambda p: time.sleep(slow_s))
+    if sharded:
+        engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(gas, embrace=embrace or {}))
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(gas))
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            ids, tgt = _batch(step * gas + micro, rank)
+            loss = engine(ids, tgt)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    hook = getattr(engine, "embrace", None)
+    summary = hook.summary() if hook is not None else None
+    if hook is not None:
+        hook.close()
+    return {"losses": losses, "state": model.full_state(), "summary": summary,
+            "schedule": [(p.bucket, p.index) for p in hook.schedule.issue_order] if hook else None}
+
+
+# small pieces and buckets so the tiny model has several of each
+PIECES = {"piece_bytes": 512, "bucket_bytes": 2048, "max_in_flight": 2}
+
+
+def equivalence_run(rank, world, steps=10, trace_dir=None, accumulation=False):
+    """(a) stock vs EmbRace in every schedule setting, (b) a slow rank, (c) overlap traces,
+    optionally gradient accumulation (stock vs EmbRace, 2 micro-steps)."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    results = {}
+    for tied in (False, True):
+        results[("stock", tied)] = train(rank, world, sharded=False, tied=tied, steps=steps)
+    for ml in (True, False):
+        for tl in (True, False):
+            cfg = dict(PIECES, model_level=ml, tensor_level=tl)
+            if trace_dir and ml and tl:
+                cfg["trace"] = os.path.join(trace_dir, "on")
+            results[("embrace", False, ml, tl)] = train(rank, world, sharded=True, tied=False, steps=steps, embrace=cfg)
+    results[("embrace", True, True, True)] = train(rank, world, sharded=True, tied=True, steps=steps, embrace=dict(PIECES))
+    off = dict(PIECES, overlap=False)
+    if trace_dir:
+        off["trace"] = os.path.join(trace_dir, "off")
+    results[("overlap_off", False)] = train(rank, world, sharded=True, tied=False, steps=steps, embrace=off)
+    results[("slow", False)] = train(
+        rank, world, sharded=True, tied=False, steps=steps, embrace=dict(PIECES), slow_rank=world - 1, slow_s=0.05
+    )
+    if accumulation:
+        results[("stock_gas", True)] = train(rank, world, sharded=False, tied=True, steps=steps // 2, gas=2)
+        results[("embrace_gas", True)] = train(rank, world, sharded=True, tied=True, steps=steps // 2, gas=2, embrace=dict(PIECES))
+    return results
+
