@@ -79,10 +79,11 @@ def fairseq_env(
 
 
 def _run(cmd: Sequence[str], *, cwd: Optional[PathLike], env: Mapping[str, str], timeout: float,
-         check: bool) -> subprocess.CompletedProcess:
+         check: bool, input_text: Optional[str] = None) -> subprocess.CompletedProcess:
     try:
         proc = subprocess.run(
-            list(cmd), cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout
+            list(cmd), cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout,
+            input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -303,6 +304,7 @@ def run_fairseq_tool(
     user_dir: Optional[PathLike] = USER_DIR,
     check: bool = False,
     keep_weights_only_override: bool = False,
+    input_text: Optional[str] = None,
 ) -> FairseqRun:
     """Run one process of a fairseq console script (``fairseq-generate``, ``fairseq-validate``...).
 
@@ -313,7 +315,7 @@ def run_fairseq_tool(
         args += ["--user-dir", str(user_dir)]
     cmd = [venv_script(tool), *args]
     child_env = fairseq_env(env, keep_weights_only_override=keep_weights_only_override)
-    proc = _run(cmd, cwd=cwd, env=child_env, timeout=timeout, check=False)
+    proc = _run(cmd, cwd=cwd, env=child_env, timeout=timeout, check=False, input_text=input_text)
     run = FairseqRun(cmd, proc.returncode, proc.stdout, proc.stderr,
                      parse_json_records(proc.stdout + "\n" + proc.stderr))
     return run.check() if check else run

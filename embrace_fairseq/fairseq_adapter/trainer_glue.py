@@ -12,6 +12,10 @@ the algorithms live in the core modules (grad_norm, optimizer_state).
 * ``Trainer.state_dict``: writes those full optimizer states.
 * ``FairseqOptimizer.load_state_dict``: each rank keeps its rows of full states.
 * ``Trainer.__init__``: rejects combinations that cannot work, at start-up.
+* ``LegacyDistributedDataParallel.__init__``: sizes its all-reduce buffer by the
+  parameters it reduces. fairseq sizes it by *all* parameters and all-reduces the
+  whole buffer; shards of uneven size (vocab not divisible by the world size) would
+  then give ranks buffers of different lengths and a mismatched collective.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any
 
 import torch
 from fairseq import utils as fairseq_utils
+from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from fairseq.trainer import Trainer
 
@@ -152,6 +157,16 @@ def _log_precision() -> None:
     meters.safe_round = lambda number, _ndigits: original(number, max(ndigits, _ndigits))
 
 
+def _legacy_ddp_init(original):
+    @functools.wraps(original)
+    def __init__(self: LegacyDistributedDataParallel, module, process_group, buffer_size=2**28):
+        original(self, module, process_group, buffer_size)
+        reduced = sum(p.numel() for p in module.parameters() if not hasattr(p, "expert"))
+        self.buffer_size = max(1, min(buffer_size, reduced))
+
+    return __init__
+
+
 def apply() -> None:
     """Install the hooks once (idempotent)."""
     global _APPLIED
@@ -163,4 +178,5 @@ def apply() -> None:
     Trainer.state_dict = _state_dict(Trainer.state_dict)
     Trainer.__init__ = _trainer_init(Trainer.__init__)
     FairseqOptimizer.load_state_dict = _optimizer_load_state_dict(FairseqOptimizer.load_state_dict)
+    LegacyDistributedDataParallel.__init__ = _legacy_ddp_init(LegacyDistributedDataParallel.__init__)
     _APPLIED = True

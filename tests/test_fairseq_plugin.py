@@ -1,0 +1,169 @@
+"""The fairseq plugin end to end: real fairseq-train under torchrun, real checkpoints,
+real fairseq-generate / -interactive / -validate / -eval-lm.
+
+Equivalence: the EmbRace architecture and the stock one, same seed and data, dropout 0,
+give the same per-update loss and gradient norm (relative difference <= 1e-4).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq_corpus import make_lm_corpus, make_translation_corpus, run_fairseq_tool, run_fairseq_train
+
+PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
+REL = 1e-4
+
+TINY_MT = [
+    "--encoder-layers", "1", "--decoder-layers", "1",
+    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+]
+TINY_LM = [
+    "--decoder-layers", "1", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+    "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--sample-break-mode", "none",
+]
+COMMON = [
+    "--cpu", "--distributed-backend", "gloo", "--dropout", "0", "--attention-dropout", "0",
+    "--optimizer", "adam", "--lr", "0.003", "--seed", "3", "--no-epoch-checkpoints",
+    "--num-workers", "0", "--log-format", "json", "--log-interval", "1",
+]
+
+
+@pytest.fixture(scope="module")
+def mt_data(tmp_path_factory):
+    # 51 words + 4 specials: a joined vocab of 55 rows, not divisible by 2 or 3.
+    return make_translation_corpus(tmp_path_factory.mktemp("mt"), vocab_size=51, n_train=240, n_valid=24)
+
+
+@pytest.fixture(scope="module")
+def lm_data(tmp_path_factory):
+    return make_lm_corpus(tmp_path_factory.mktemp("lm"), vocab_size=47, n_train=200, n_valid=20)
+
+
+def _train(data, arch, save_dir, nproc, extra=(), task="translation", max_update=20):
+    tiny = TINY_MT if task == "translation" else TINY_LM
+    batch = ["--max-tokens", "120"] if task == "translation" else ["--max-tokens", "64"]
+    args = [str(data), "--task", task, "--arch", arch, *tiny, *COMMON, *batch,
+            "--max-update", str(max_update), "--save-dir", str(save_dir),
+            "--ddp-backend", "legacy_ddp", *extra]
+    return run_fairseq_train(args, nproc=nproc, env=PRECISE, timeout=400).check()
+
+
+def _series(run, key):
+    return [float(r[key]) for r in run.updates]
+
+
+def _assert_same(stock, ours, what):
+    for key in ("loss", "gnorm"):
+        a, b = _series(stock, key), _series(ours, key)
+        assert len(a) == len(b) == 20, (what, key, len(a), len(b))
+        worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+        assert worst <= REL, f"{what}: {key} differs by {worst:.2e} relative\nstock={a}\nours={b}"
+    return max(abs(x - y) / abs(x) for x, y in zip(_series(stock, "loss"), _series(ours, "loss")))
+
+
+CASES = [
+    # (task, stock arch, nproc, extra flags)
+    ("translation", "transformer", 2, ["--clip-norm", "0.05"]),
+    ("translation", "transformer", 3, ["--share-all-embeddings", "--update-freq", "2"]),
+    ("language_modeling", "transformer_lm", 2, ["--share-decoder-input-output-embed", "--clip-norm", "0.05", "--update-freq", "2"]),
+]
+SLOW_CASES = [
+    ("translation", "transformer", 3, ["--share-decoder-input-output-embed", "--clip-norm", "0.05"]),
+    ("language_modeling", "transformer_lm", 3, []),
+    ("translation", "transformer", 2, ["--ddp-backend", "c10d", "--share-all-embeddings"]),
+]
+
+
+def _run_case(case, mt_data, lm_data, tmp_path):
+    task, stock_arch, nproc, extra = case
+    data = mt_data if task == "translation" else lm_data
+    stock = _train(data, stock_arch, tmp_path / "stock", nproc, extra, task)
+    ours = _train(data, "embrace_" + stock_arch, tmp_path / "ours", nproc, extra, task)
+    worst = _assert_same(stock, ours, f"{stock_arch} x{nproc} {' '.join(extra)}")
+    print(f"{stock_arch} on {nproc} ranks {' '.join(extra)}: worst relative loss difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}-{c[2]}ranks-{'_'.join(c[3])}")
+def test_same_training_as_stock(case, mt_data, lm_data, tmp_path):
+    _run_case(case, mt_data, lm_data, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: f"{c[1]}-{c[2]}ranks-{'_'.join(c[3])}")
+def test_same_training_as_stock_more(case, mt_data, lm_data, tmp_path):
+    _run_case(case, mt_data, lm_data, tmp_path)
+
+
+def _valid_loss(run):
+    return float(run.tagged("valid")[-1]["valid_loss"])
+
+
+def test_checkpoint_resume_reshard_and_tools(mt_data, tmp_path):
+    extra = ["--share-all-embeddings", "--save-interval-updates", "10"]
+    full = _train(mt_data, "embrace_transformer", tmp_path / "full", 2, extra)
+    ckpt = tmp_path / "full" / "checkpoint_last.pt"
+    state = torch.load(ckpt, map_location="cpu")  # weights_only default: must load as is
+    vocab = 55
+    assert state["model"]["encoder.embed_tokens.weight"].shape == (vocab, 16)
+    moments = [v for v in state["last_optimizer_state"]["state"].values() if "exp_avg" in v]
+    assert any(m["exp_avg"].shape == (vocab, 16) for m in moments)
+
+    # Resume from update 10 on the same world size: updates 11..20 as uninterrupted.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copy(tmp_path / "full" / "checkpoint_1_10.pt", resumed_dir / "checkpoint_last.pt")
+    resumed = _train(mt_data, "embrace_transformer", resumed_dir, 2, extra)
+    tail = {int(r["num_updates"]): float(r["loss"]) for r in full.updates if int(r["num_updates"]) > 10}
+    again = {int(r["num_updates"]): float(r["loss"]) for r in resumed.updates}
+    assert sorted(again) == list(range(11, 21))
+    for k, v in tail.items():
+        assert abs(again[k] - v) <= REL * abs(v), (k, again[k], v)
+
+    # The checkpoint of 2 ranks on 1 and 3 ranks: the validation loss training reported.
+    reported = _valid_loss(full)
+    common = [str(mt_data), "--path", str(ckpt), "--task", "translation", "--cpu", "--max-tokens", "200"]
+    one = run_fairseq_tool("fairseq-validate", common, env=PRECISE).check()
+    three = run_fairseq_train(common + ["--distributed-backend", "gloo"], nproc=3,
+                              script="fairseq-validate", env=PRECISE, json_log=False).check()
+    for run in (one, three):
+        got = float(run.tagged("valid")[-1]["valid_loss"]) if run.tagged("valid") else None
+        assert got is not None and abs(got - reported) <= 1e-4 * abs(reported), (got, reported, run.output[-2000:])
+
+    gen = run_fairseq_tool("fairseq-generate", [str(mt_data), "--path", str(ckpt), "--cpu", "--beam", "2",
+                                                "--max-tokens", "400", "--gen-subset", "test"]).check()
+    assert "Generate test with beam=2" in gen.output and gen.output.count("\nH-") >= 5
+    inter = run_fairseq_tool("fairseq-interactive", [str(mt_data), "--path", str(ckpt), "--cpu", "--beam", "2",
+                                                     "--source-lang", "src", "--target-lang", "tgt"],
+                             input_text="w1 w2 w3\nw4 w5\n").check()
+    assert inter.output.count("\nH-") == 2
+
+
+def test_lm_checkpoint_eval_lm(lm_data, tmp_path):
+    extra = ["--share-decoder-input-output-embed"]
+    train = _train(lm_data, "embrace_transformer_lm", tmp_path / "lm", 3, extra, "language_modeling", max_update=12)
+    reported = _valid_loss(train)  # base 2, like eval-lm
+    ev = run_fairseq_tool("fairseq-eval-lm", [str(lm_data), "--path", str(tmp_path / "lm" / "checkpoint_last.pt"),
+                                              "--cpu", "--gen-subset", "valid", "--tokens-per-sample", "32",
+                                              "--sample-break-mode", "none", "--max-tokens", "64",
+                                              "--context-window", "0"]).check()
+    line = [ln for ln in ev.output.splitlines() if "Loss (base 2):" in ln][-1]
+    loss = float(line.split("Loss (base 2):")[1].split(",")[0])
+    assert abs(loss - reported) <= 2e-3 * reported, (loss, reported)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--arch", "embrace_transformer_lm", "--adaptive-input", "--adaptive-input-cutoff", "20",
+      "--adaptive-softmax-cutoff", "20"], "--adaptive-input"),
+    (["--arch", "embrace_transformer_lm", "--fp16"], "needs a CUDA device"),
+])
+def test_startup_errors(flags, message, lm_data, tmp_path):
+    args = [str(lm_data), "--task", "language_modeling", *TINY_LM, "--cpu", "--optimizer", "adam",
+            "--lr", "0.001", "--max-tokens", "64", "--max-update", "1", "--save-dir", str(tmp_path), *flags]
+    run = run_fairseq_tool("fairseq-train", args)
+    assert run.returncode != 0 and message in run.output, run.output[-3000:]
