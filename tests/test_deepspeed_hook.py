@@ -151,3 +151,33 @@ def test_schedule_is_static_and_prioritised():
         for b in sched.buckets:
             pieces = sorted(sched.pieces_of(b.index), key=lambda p: p.start)
             assert sum(p.numel for p in pieces) == b.numel and pieces[0].start == 0
+
+
+@pytest.mark.slow
+def test_launcher_trains_and_generate_reads_checkpoint(tmp_path):
+    """embrace-ds-train (via scripts/ds_train_cpu.sh, 2 CPU ranks) trains a tiny translation
+    model; fairseq-generate --user-dir user_dir decodes with its checkpoint on one process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fairseq_corpus import fairseq_env, make_translation_corpus, run_fairseq_tool
+
+    root = Path(__file__).resolve().parent.parent
+    data = make_translation_corpus(tmp_path / "corpus", n_train=200)
+    env = dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent),
+               DS_CONFIG=str(root / "ds_config" / "embrace_cpu.json"))
+    train = subprocess.run(
+        [str(root / "scripts" / "ds_train_cpu.sh"), "2", str(data), "--task", "translation",
+         "--arch", "embrace_transformer", "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "1",
+         "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+         "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+         "--max-tokens", "500", "--max-epoch", "2", "--save-dir", str(tmp_path / "ckpt")],
+        env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert "done: " in train.stdout + train.stderr
+    gen = run_fairseq_tool("fairseq-generate", [str(data), "--path", str(tmp_path / "ckpt" / "checkpoint_last.pt"),
+                                                "--cpu", "--beam", "2", "--max-tokens", "1000", "--gen-subset", "test"])
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert "BLEU4" in gen.stdout + gen.stderr
