@@ -35,5 +35,10 @@ setup(
     packages=find_packages(include=["embrace_fairseq", "embrace_fairseq.*"]),
     install_requires=_requirements(),
     extras_require={"test": ["pytest>=8"], "plots": ["matplotlib"]},
-    entry_points={"console_scripts": []},
+    entry_points={
+        "console_scripts": [
+            "embrace-ds-train = embrace_fairseq.deepspeed_adapter.train:main",
+            "embrace-prepare-data = embrace_fairseq.data_prep.__main__:main",
+        ]
+    },
 )

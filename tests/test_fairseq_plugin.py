@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import embrace_fairseq.fairseq_adapter  # noqa: F401  (allow-lists fairseq checkpoint globals for torch.load)
+
 from fairseq_corpus import make_lm_corpus, make_translation_corpus, run_fairseq_tool, run_fairseq_train
 
 PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
@@ -36,7 +38,7 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def mt_data(tmp_path_factory):
-    # 51 words + 4 specials: a joined vocab of 55 rows, not divisible by 2 or 3.
+    # 51 words + 4 specials, padded by fairseq to 56 rows: not divisible by 3.
     return make_translation_corpus(tmp_path_factory.mktemp("mt"), vocab_size=51, n_train=240, n_valid=24)
 
 
@@ -109,7 +111,7 @@ def test_checkpoint_resume_reshard_and_tools(mt_data, tmp_path):
     full = _train(mt_data, "embrace_transformer", tmp_path / "full", 2, extra)
     ckpt = tmp_path / "full" / "checkpoint_last.pt"
     state = torch.load(ckpt, map_location="cpu")  # weights_only default: must load as is
-    vocab = 55
+    vocab = 56  # fairseq pads the dictionary to a multiple of 8
     assert state["model"]["encoder.embed_tokens.weight"].shape == (vocab, 16)
     moments = [v for v in state["last_optimizer_state"]["state"].values() if "exp_avg" in v]
     assert any(m["exp_avg"].shape == (vocab, 16) for m in moments)
@@ -127,7 +129,10 @@ def test_checkpoint_resume_reshard_and_tools(mt_data, tmp_path):
 
     # The checkpoint of 2 ranks on 1 and 3 ranks: the validation loss training reported.
     reported = _valid_loss(full)
-    common = [str(mt_data), "--path", str(ckpt), "--task", "translation", "--cpu", "--max-tokens", "200"]
+    # 24 valid sentences in batches of 4: 6 batches, an equal share for 1, 2 or 3 ranks
+    # (stock fairseq-validate fails on a rank whose share of batches is empty).
+    common = [str(mt_data), "--path", str(ckpt), "--task", "translation", "--cpu", "--batch-size", "4",
+              "--required-batch-size-multiple", "1", "--log-format", "json"]
     one = run_fairseq_tool("fairseq-validate", common, env=PRECISE).check()
     three = run_fairseq_train(common + ["--distributed-backend", "gloo"], nproc=3,
                               script="fairseq-validate", env=PRECISE, json_log=False).check()

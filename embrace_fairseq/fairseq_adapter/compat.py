@@ -346,6 +346,24 @@ def _wrap_broadcast_object_slow(orig: Callable) -> Callable:
 # --------------------------------------------------------------------------- apply
 
 
+def _wrap_all_gather_list(orig: Callable, du: Any) -> Callable:
+    """fairseq's ``all_gather_list`` (used by fairseq-validate and the slow stats sync)
+    allocates ``torch.cuda.ByteTensor`` and pinned memory: it fails on a CPU build.
+    Give it CPU buffers of the size it would allocate, then let it run unchanged."""
+
+    @functools.wraps(orig)
+    def all_gather_list(data, group=None, max_size=16384):
+        if _no_cuda():
+            world = du.get_world_size(group=group if group is not None else du.get_global_group())
+            wrapper = du.all_gather_list  # the function reads its buffers off this name
+            if not hasattr(wrapper, "_buffer") or wrapper._buffer.numel() < max_size * world:
+                wrapper._buffer = torch.zeros(max_size * world, dtype=torch.uint8)
+                wrapper._cpu_buffer = torch.zeros(max_size, dtype=torch.uint8)
+        return orig(data, group=group, max_size=max_size)
+
+    return _mark(all_gather_list)
+
+
 def apply() -> None:
     """Install the fixes (idempotent). Needs fairseq to be importable."""
     import fairseq.distributed.utils as du
@@ -362,5 +380,7 @@ def apply() -> None:
     if not _is_ours(dfm.DistributedDataParallel):
         dfm.DistributedDataParallel = _make_device_aware_ddp(dfm.DistributedDataParallel)
     _allow_fairseq_checkpoint_globals()
+    if not _is_ours(du.all_gather_list):
+        du.all_gather_list = _wrap_all_gather_list(du.all_gather_list, du)
     if not _is_ours(du._broadcast_object_slow):
         du._broadcast_object_slow = _wrap_broadcast_object_slow(du._broadcast_object_slow)
