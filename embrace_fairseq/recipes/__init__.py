@@ -1,0 +1,1 @@
+"""Runnable recipes: the main job (translation to BLEU) and the language model (perplexity)."""

@@ -1,0 +1,148 @@
+"""Shared pieces of the recipes: launching fairseq tools, parsing their logs, versions, plots."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+USER_DIR = REPO_ROOT / "user_dir"
+BIN = Path(sys.executable).parent
+_LOG = re.compile(r"^\S+ \S+ \| [A-Z]+ \| (?P<name>[^|]+?) \| (?P<msg>\{.*\})\s*$")
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found next to {sys.executable} nor on PATH; run scripts/setup.sh")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int = 1) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def stream(cmd: Sequence[str], log_path: Path, on_line: Optional[Callable[[str], None]] = None,
+           env: Optional[Dict[str, str]] = None, stdin_text: Optional[str] = None) -> List[str]:
+    """Run a command, tee its output to ``log_path``, call ``on_line`` per line; raise on failure."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    lines: List[str] = []
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env or child_env(), stdin=subprocess.PIPE if stdin_text else None)
+        if stdin_text:
+            proc.stdin.write(stdin_text)
+            proc.stdin.close()
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line.rstrip("\n"))
+            if on_line:
+                on_line(line.rstrip("\n"))
+        rc = proc.wait()
+    if rc != 0:
+        tail = "\n".join(lines[-30:])
+        raise RuntimeError(f"command failed with exit code {rc}: {' '.join(cmd)}\n{tail}\n(full log: {log_path})")
+    return lines
+
+
+def json_records(lines: Sequence[str], name: str) -> List[dict]:
+    out = []
+    for line in lines:
+        m = _LOG.match(line.strip())
+        if m and m.group("name").strip() == name:
+            try:
+                out.append(json.loads(m.group("msg")))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def versions() -> Dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "fairseq-fixed", "deepspeed", "sacrebleu", "sentencepiece", "embrace-fairseq"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def progress_printer(prefix: str, total_updates: int) -> Callable[[str], None]:
+    """Print a compact progress line for fairseq's per-update and validation records."""
+    start = time.time()
+
+    def on_line(line: str) -> None:
+        m = _LOG.match(line.strip())
+        if not m:
+            if "Traceback" in line or "Error" in line:
+                print(f"{prefix} {line}", flush=True)
+            return
+        try:
+            rec = json.loads(m.group("msg"))
+        except json.JSONDecodeError:  # fairseq also logs its config as a Python dict
+            return
+        name = m.group("name").strip()
+        if name == "train_inner":
+            n = int(rec["num_updates"])
+            if n % 10 == 0 or n == total_updates:
+                print(f"{prefix} update {n}/{total_updates} loss {rec['loss']} wps {rec.get('wps')} "
+                      f"({time.time() - start:.0f}s)", flush=True)
+        elif name == "valid":
+            print(f"{prefix} validation after {rec.get('valid_num_updates')} updates: loss {rec.get('valid_loss')}", flush=True)
+
+    return on_line
+
+
+def plot_losses(curves: Dict[str, Dict[str, List[tuple]]], path: Path, title: str) -> Optional[Path]:
+    """Training/validation loss against updates, one colour per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, c) in enumerate(curves.items()):
+        color = f"C{i}"
+        if c.get("train"):
+            xs, ys = zip(*c["train"])
+            ax.plot(xs, ys, color=color, alpha=0.6, label=f"{label} train")
+        if c.get("valid"):
+            xs, ys = zip(*c["valid"])
+            ax.plot(xs, ys, "o-", color=color, label=f"{label} valid")
+    ax.set_xlabel("updates")
+    ax.set_ylabel("loss (base 2)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

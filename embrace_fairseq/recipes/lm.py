@@ -1,0 +1,96 @@
+"""Language model recipe: State of the Union addresses, EmbRace Transformer LM, perplexity.
+
+``python -m embrace_fairseq.recipes.lm [--arch embrace_transformer_lm] [--ranks 2] [--max-update N]``
+
+Prepares the data (idempotent), trains with ``torchrun ... fairseq-train --user-dir
+user_dir --task language_modeling``, scores the held-out years with ``fairseq-eval-lm``
+and writes ``results/lm[_<arch>].json`` and a loss-curve PNG. ``--arch transformer_lm``
+is the stock model with the same budget.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from .common import REPO_ROOT, USER_DIR, free_port, json_records, plot_losses, progress_printer, stream, tool, versions
+
+MODEL_ARGS = [
+    "--decoder-layers", "2", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "512",
+    "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
+    "--tokens-per-sample", "128", "--sample-break-mode", "none",
+]
+TRAIN_ARGS = [
+    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3", "--clip-norm", "1.0",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
+    "--dropout", "0.1", "--weight-decay", "0.01", "--max-tokens", "2048",
+    "--seed", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "5",
+    "--no-epoch-checkpoints",
+]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="Train and evaluate the State of the Union language model.")
+    p.add_argument("--arch", default="embrace_transformer_lm")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--max-update", type=int, default=400)
+    p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
+    p.add_argument("--work-dir", type=Path, default=REPO_ROOT / "work_dirs" / "lm")
+    p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
+    p.add_argument("--skip-data", action="store_true")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    tag = "" if a.arch == "embrace_transformer_lm" else f"_{a.arch}"
+    work = a.work_dir / a.arch
+    work.mkdir(parents=True, exist_ok=True)
+    if not a.skip_data:
+        print("[lm] preparing data (cached after the first run)", flush=True)
+        stream([sys.executable, "-m", "embrace_fairseq.data_prep", "--out", str(a.data), "--only", "lm", "-q"],
+               work / "data_prep.log", on_line=print)
+    data_bin = a.data / "lm" / "bin"
+    save_dir = work / "checkpoints"
+    train_cmd = [
+        tool("torchrun"), "--nproc_per_node", str(a.ranks), "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), tool("fairseq-train"), str(data_bin),
+        "--user-dir", str(USER_DIR), "--task", "language_modeling", "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS,
+        "--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
+        "--max-update", str(a.max_update), "--save-dir", str(save_dir),
+        "--validate-interval-updates", str(max(a.max_update // 4, 1)),
+    ]
+    print(f"[lm] training {a.arch} on {a.ranks} CPU ranks for {a.max_update} updates", flush=True)
+    t1 = time.time()
+    lines = stream(train_cmd, work / "train.log", on_line=progress_printer("[train]", a.max_update))
+    t_train = time.time() - t1
+    inner, valid = json_records(lines, "train_inner"), json_records(lines, "valid")
+    print("[lm] scoring the test years with fairseq-eval-lm", flush=True)
+    ev = stream([tool("fairseq-eval-lm"), str(data_bin), "--user-dir", str(USER_DIR),
+                 "--path", str(save_dir / "checkpoint_last.pt"), "--gen-subset", "test", "--cpu",
+                 "--tokens-per-sample", "128", "--sample-break-mode", "none", "--context-window", "64",
+                 "--max-tokens", "4096", "--num-workers", "0"], work / "eval_lm.log")
+    m = [re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", ln) for ln in ev]
+    loss, ppl = [(float(x.group(1)), float(x.group(2))) for x in m if x][-1]
+    wps = [float(r["wps"]) for r in inner if float(r.get("wps", 0)) > 0]
+    result = {
+        "arch": a.arch, "ranks": a.ranks, "updates": int(inner[-1]["num_updates"]) if inner else 0,
+        "test_loss_base2": loss, "test_perplexity": ppl,
+        "eval": "fairseq-eval-lm --gen-subset test --tokens-per-sample 128 --context-window 64 (sentencepiece tokens)",
+        "valid_loss": [(int(r["valid_num_updates"]), float(r["valid_loss"])) for r in valid],
+        "words_per_second": round(sum(wps) / len(wps), 1) if wps else None,
+        "wall_seconds": {"total": round(time.time() - t0, 1), "train": round(t_train, 1)},
+        "model_args": MODEL_ARGS, "train_command": " ".join(train_cmd), "versions": versions(),
+    }
+    a.results.mkdir(parents=True, exist_ok=True)
+    out = a.results / f"lm{tag}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot_losses({a.arch: {"train": [(int(r["num_updates"]), float(r["loss"])) for r in inner],
+                          "valid": result["valid_loss"]}}, a.results / f"lm{tag}_loss.png", f"SOTU LM, {a.arch}")
+    print(f"[lm] test perplexity {ppl:.2f} (loss {loss:.4f} bits/token) -> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
