@@ -99,6 +99,7 @@ def test_torchrun_c10d_resumes_the_job(legacy_run: Dict[str, object],
     assert _update_numbers(run) == [4, 5]
 
 
+@pytest.mark.slow  # the default suite loads checkpoints with fairseq-generate in test_fairseq_plugin
 def test_generate_loads_torchrun_checkpoint(legacy_run: Dict[str, object], corpus: Path) -> None:
     legacy_run["run"].check()  # type: ignore[union-attr]
     env = fairseq_env()
