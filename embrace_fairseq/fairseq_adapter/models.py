@@ -161,6 +161,23 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
         return build_sharded_embedding(dictionary, embed_dim)
 
 
+def _plain_table_defaults(stock_fn):
+    """The stock wiki103 preset turns on adaptive input and adaptive softmax, and fairseq
+    has no flag to turn them off; the EmbRace preset keeps its sizes with one plain table,
+    sharded, tied to the output projection (unless the flags are given explicitly, which
+    then stop at start-up as any adaptive option does)."""
+
+    def arch(args):
+        args.adaptive_input = safe_getattr(args, "adaptive_input", False)
+        args.tie_adaptive_weights = safe_getattr(args, "tie_adaptive_weights", False)
+        args.tie_adaptive_proj = safe_getattr(args, "tie_adaptive_proj", False)
+        args.adaptive_softmax_cutoff = safe_getattr(args, "adaptive_softmax_cutoff", None)
+        args.share_decoder_input_output_embed = safe_getattr(args, "share_decoder_input_output_embed", True)
+        stock_fn(args)
+
+    return arch
+
+
 def _register_architectures() -> None:
     # Same presets as the stock architectures, under EmbRace names.
     for stock, ours in TRANSLATION_ARCHS.items():
@@ -168,7 +185,10 @@ def _register_architectures() -> None:
     for stock, ours in LM_ARCHS.items():
         if stock == "transformer_lm":
             continue  # registered by @register_model from the config dataclass, as fairseq does
-        register_model_architecture("embrace_transformer_lm", ours)(ARCH_CONFIG_REGISTRY[stock])
+        fn = ARCH_CONFIG_REGISTRY[stock]
+        if stock == "transformer_lm_wiki103":
+            fn = _plain_table_defaults(fn)
+        register_model_architecture("embrace_transformer_lm", ours)(fn)
 
 
 _register_architectures()

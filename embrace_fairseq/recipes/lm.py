@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Train and evaluate the State of the Union language model.")
     p.add_argument("--arch", default="embrace_transformer_lm")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--max-update", type=int, default=400)
+    p.add_argument("--max-update", type=int, default=300)
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / "work_dirs" / "lm")
     p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
@@ -70,7 +70,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ev = stream([tool("fairseq-eval-lm"), str(data_bin), "--user-dir", str(USER_DIR),
                  "--path", str(save_dir / "checkpoint_last.pt"), "--gen-subset", "test", "--cpu",
                  "--tokens-per-sample", "128", "--sample-break-mode", "none", "--context-window", "64",
-                 "--max-tokens", "4096", "--num-workers", "0"], work / "eval_lm.log")
+                 "--max-tokens", "4096", "--num-workers", "0", "--required-batch-size-multiple", "1"],
+                work / "eval_lm.log")
     m = [re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", ln) for ln in ev]
     loss, ppl = [(float(x.group(1)), float(x.group(2))) for x in m if x][-1]
     wps = [float(r["wps"]) for r in inner if float(r.get("wps", 0)) > 0]
