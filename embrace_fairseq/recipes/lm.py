@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Train and evaluate the State of the Union language model.")
     p.add_argument("--arch", default="embrace_transformer_lm")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--max-update", type=int, default=300)
+    p.add_argument("--max-update", type=int, default=150)
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / "work_dirs" / "lm")
     p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
