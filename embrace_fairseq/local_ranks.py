@@ -11,6 +11,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import traceback
 from typing import Any, Callable, List
@@ -108,6 +109,13 @@ def run_ranks(
         lines += [f"rank {r}: no result within {timeout_s:.0f}s (hung or crashed)" for r in missing]
         raise RanksFailed("\n".join(lines))
     return [results[r][1] for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now (for a torchrun/env:// rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _now() -> float:

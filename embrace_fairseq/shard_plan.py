@@ -6,6 +6,7 @@ without asking, who owns any id.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import List, Tuple
@@ -31,7 +32,7 @@ class ShardPlan:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
 
-    @property
+    @functools.cached_property
     def boundaries(self) -> List[int]:
         """``world_size + 1`` row offsets: rank ``r`` owns ``[b[r], b[r+1])``."""
         base, extra = divmod(self.num_embeddings, self.world_size)

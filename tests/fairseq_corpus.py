@@ -17,12 +17,13 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from embrace_fairseq.local_ranks import free_port  # noqa: F401  (re-exported for tests)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 USER_DIR = REPO_ROOT / "user_dir"
@@ -42,13 +43,6 @@ def venv_script(name: str) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{name} not found in {VENV_BIN}")
     return str(path)
-
-
-def free_port() -> int:
-    """A TCP port free right now on localhost (the OS picks it; tiny race accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fairseq_env(

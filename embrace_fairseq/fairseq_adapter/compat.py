@@ -35,12 +35,13 @@ import functools
 import logging
 import os
 import re
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+
+from ..local_ranks import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -176,12 +177,6 @@ def _wrap_infer_init_method(orig: Callable, du: Any) -> Callable:
 # --------------------------------------------------------------------------- 2. spawn on CPU
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wrap_call_main(orig: Callable, du: Any) -> Callable:
     @functools.wraps(orig)
     def _call_main(cfg: Any, main: Callable, **kwargs: Any) -> None:
@@ -213,7 +208,7 @@ def _wrap_call_main(orig: Callable, du: Any) -> Callable:
                 "NCCL needs GPUs; for a CPU job pass --distributed-backend gloo"
             )
         if dt.distributed_init_method is None:
-            port = dt.distributed_port if dt.distributed_port > 0 else _free_port()
+            port = dt.distributed_port if dt.distributed_port > 0 else free_port()
             dt.distributed_init_method = f"tcp://localhost:{port}"
         logger.info(
             "spawning %d CPU processes (%s, %s)",

@@ -5,12 +5,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
+
+from ..local_ranks import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 USER_DIR = REPO_ROOT / "user_dir"
@@ -28,10 +29,11 @@ def tool(name: str) -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_train_cmd(ranks: int, data_bin: Path, args: Sequence[str]) -> List[str]:
+    """The documented training command: torchrun + fairseq-train with the user dir."""
+    return [tool("torchrun"), "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), tool("fairseq-train"), str(data_bin),
+            "--user-dir", str(USER_DIR), *args]
 
 
 def child_env(threads: int = 1) -> Dict[str, str]:

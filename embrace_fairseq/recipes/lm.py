@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .common import REPO_ROOT, USER_DIR, free_port, json_records, plot_losses, progress_printer, stream, tool, versions
+from .common import REPO_ROOT, USER_DIR, json_records, torchrun_train_cmd, plot_losses, progress_printer, stream, tool, versions
 
 MODEL_ARGS = [
     "--decoder-layers", "2", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "512",
@@ -53,14 +53,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                work / "data_prep.log", on_line=print)
     data_bin = a.data / "lm" / "bin"
     save_dir = work / "checkpoints"
-    train_cmd = [
-        tool("torchrun"), "--nproc_per_node", str(a.ranks), "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), tool("fairseq-train"), str(data_bin),
-        "--user-dir", str(USER_DIR), "--task", "language_modeling", "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS,
+    train_cmd = torchrun_train_cmd(a.ranks, data_bin, [
+        "--task", "language_modeling", "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS,
         "--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
         "--max-update", str(a.max_update), "--save-dir", str(save_dir),
         "--validate-interval-updates", str(max(a.max_update // 4, 1)),
-    ]
+    ])
     print(f"[lm] training {a.arch} on {a.ranks} CPU ranks for {a.max_update} updates", flush=True)
     t1 = time.time()
     lines = stream(train_cmd, work / "train.log", on_line=progress_printer("[train]", a.max_update))

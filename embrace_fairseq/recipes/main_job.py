@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .common import (REPO_ROOT, USER_DIR, child_env, free_port, json_records, plot_losses, progress_printer,
+from .common import (REPO_ROOT, USER_DIR, child_env, json_records, torchrun_train_cmd, plot_losses, progress_printer,
                      stream, tool, versions)
 
 # Sized so that data preparation, training and decoding fit in about 30 minutes on
@@ -73,15 +73,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # 1) train: the documented command, nothing hidden
     save_dir = work / "checkpoints"
-    train_cmd = [
-        tool("torchrun"), "--nproc_per_node", str(a.ranks), "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), tool("fairseq-train"), str(data_bin),
-        "--user-dir", str(USER_DIR), "--task", "translation", "--source-lang", "de", "--target-lang", "en",
+    train_cmd = torchrun_train_cmd(a.ranks, data_bin, [
+        "--task", "translation", "--source-lang", "de", "--target-lang", "en",
         "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS, "--cpu", "--distributed-backend", "gloo",
         "--ddp-backend", "legacy_ddp", "--max-update", str(a.max_update), "--save-dir", str(save_dir),
         # validate four times over the run for the loss curve
         "--validate-interval-updates", str(max(a.max_update // 4, 1)),
-    ]
+    ])
     print(f"[main job] training {a.arch} on {a.ranks} CPU ranks for {a.max_update} updates", flush=True)
     t1 = time.time()
     if a.skip_train:
