@@ -3,12 +3,84 @@
 CPU machines: install with ``scripts/setup.sh`` (pins torch 2.13.0, the CPU wheel,
 before anything can pull a multi-GB CUDA build). GPU machines: install your own
 CUDA torch first, then ``pip install --no-build-isolation -e .``.
+
+The native ops in ``csrc/`` are an optional extension (``embrace_fairseq._native``):
+built when torch and a C++ compiler are at hand (with the CUDA kernels when nvcc and
+a CUDA torch are), skipped with a warning otherwise; the package works without it.
+``EMBRACE_BUILD_NATIVE=0`` skips it on purpose.
 """
+import glob
+import hashlib
 import os
+import sys
 
 from setuptools import find_packages, setup
 
 here = os.path.dirname(os.path.abspath(__file__))
+
+
+def _warn(msg):
+    print(f"WARNING: embrace_fairseq._native: {msg}; installing without native ops", file=sys.stderr)
+
+
+def native_source_hash(root=here):
+    """Digest of csrc/ compiled into the extension; native_ops.py compares it at import."""
+    h = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(root, "csrc", "*"))):
+        if path.endswith((".cpp", ".cu", ".h")):
+            h.update(os.path.basename(path).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return "h" + h.hexdigest()[:16]
+
+
+def _native_extension():
+    """(ext_modules, cmdclass) for the optional native ops; empty when they cannot be built."""
+    if os.environ.get("EMBRACE_BUILD_NATIVE", "1") == "0":
+        return [], {}
+    if not os.path.exists(os.path.join(here, "csrc", "embrace_native.cpp")):
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except Exception as exc:  # e.g. an isolated build without torch
+        _warn(f"torch is not importable at build time ({exc})")
+        return [], {}
+
+    cxx = ["-O3", "-g0", "-ffp-contract=off", f"-DEMBRACE_NATIVE_SOURCE_HASH={native_source_hash()}"]
+    sources = ["csrc/embrace_native.cpp"]
+    with_cuda = (
+        torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+        and os.environ.get("EMBRACE_BUILD_CUDA", "1") != "0"
+    )
+    if with_cuda:
+        ext = cpp_extension.CUDAExtension(
+            "embrace_fairseq._native",
+            sources + ["csrc/embrace_native_cuda.cu"],
+            define_macros=[("EMBRACE_WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+        )
+    else:
+        ext = cpp_extension.CppExtension("embrace_fairseq._native", sources, extra_compile_args={"cxx": cxx})
+
+    class OptionalBuildExtension(cpp_extension.BuildExtension):
+        """A failed native build (no compiler, bad toolchain) must not fail the install."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:
+                _warn(f"build failed ({type(exc).__name__}: {exc})")
+
+        def get_outputs(self):
+            # editable installs copy these; list only what was really built
+            return [p for p in super().get_outputs() if os.path.exists(p)]
+
+    return [ext], {"build_ext": OptionalBuildExtension}
+
+
+_ext_modules, _cmdclass = _native_extension()
 
 
 def _requirements():
@@ -34,6 +106,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["embrace_fairseq", "embrace_fairseq.*"]),
     install_requires=_requirements(),
+    ext_modules=_ext_modules,
+    cmdclass=_cmdclass,
     extras_require={"test": ["pytest>=8"], "plots": ["matplotlib"]},
     entry_points={
         "console_scripts": [

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm_ledger as K
+from . import native_ops
 from .comm_ledger import CommLedger, global_ledger
 from .shard_plan import ShardPlan
 
@@ -95,15 +96,13 @@ def plan_exchange(
     world = plan.world_size
     ledgers = _ledgers(ledger)
     device = flat_ids.device
-    bad = validate_ids(flat_ids, plan.num_embeddings)
+    # validate, dedup (sorted: shards are contiguous ranges, so the unique ids arrive
+    # grouped by owner) and count per owner; native_ops says how
+    bucketed = native_ops.dedup_bucket(flat_ids, plan.boundaries)
+    bad = bucketed.bad_id
 
     if bad is None:
-        # torch.unique sorts, and shards are contiguous ranges, so the unique ids
-        # arrive already bucketed by owner; searchsorted finds the bucket edges.
-        unique_ids, inverse = torch.unique(flat_ids.long(), sorted=True, return_inverse=True)
-        edges = torch.tensor(plan.boundaries, dtype=torch.long, device=device)
-        cuts = torch.searchsorted(unique_ids, edges)
-        send_counts = (cuts[1:] - cuts[:-1]).tolist()
+        unique_ids, inverse, send_counts = bucketed.unique_ids, bucketed.inverse, bucketed.send_counts
     else:
         unique_ids = flat_ids.new_zeros(0, dtype=torch.long)
         inverse = flat_ids.new_zeros(0, dtype=torch.long)
@@ -152,7 +151,7 @@ def plan_exchange(
 def fetch_rows(shard: torch.Tensor, xp: ExchangePlan) -> torch.Tensor:
     """Owners gather the requested rows and AlltoAll them back: ``(U, D)`` rows."""
     dim = shard.shape[1]
-    out_rows = shard.index_select(0, xp.requested_local)
+    out_rows = native_ops.gather_rows(shard, xp.requested_local)
     rows = shard.new_empty(len(xp.unique_ids), dim)
     dist.all_to_all_single(rows, out_rows, xp.send_counts, xp.recv_counts, group=xp.group)
     row_bytes = dim * shard.element_size()
@@ -188,13 +187,8 @@ def push_grad_rows(
         _off_rank(xp.send_counts, xp.rank) * row_bytes,
         _off_rank(xp.recv_counts, xp.rank) * row_bytes,
     )
-    grad = grad_unique.new_zeros(shard_rows, dim)
-    grad.index_add_(0, xp.requested_local, recv)
-    if scale != 1.0:
-        grad.mul_(scale)
-    if padding_local is not None:
-        grad[padding_local].zero_()
-    return grad
+    # zeros + index_add_ + mul_(scale) + padding row zeroed
+    return native_ops.scatter_add_rows(recv, xp.requested_local, shard_rows, scale, padding_local)
 
 
 class ShardedLookup(torch.autograd.Function):

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import native_ops
 from .comm_ledger import CommLedger
 from .exchange import GatherTable, InvalidIdError, ShardedLookup, gather_full, invalid_id_message, plan_exchange, validate_ids
 from .process_group import ProcessGroup, resolve_group
@@ -133,7 +134,7 @@ class ShardedEmbedding(nn.Module):
         flat = torch.cat([ids.reshape(-1) for ids in ids_list]) if len(ids_list) > 1 else ids_list[0].reshape(-1)
         xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger)
         unique_rows = ShardedLookup.apply(self.weight, xp, self.grad_scale, self._padding_local)
-        rows = unique_rows.index_select(0, xp.inverse)  # backward sums rows per unique id
+        rows = native_ops.expand_rows(unique_rows, xp.inverse)  # backward sums rows per unique id
         outs, offset = [], 0
         for ids in ids_list:
             n = ids.numel()
