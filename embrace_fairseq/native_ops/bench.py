@@ -145,7 +145,6 @@ def run_benchmark(out_dir: str, quick: bool = False, reps: int = None, threads: 
         "rule": f"native by default when geomean speedup >= {MIN_GEOMEAN} and every case >= {MIN_WORST}",
         "cases": rows,
         "summary": summary,
-        "auto_native_in_source": dict(N.AUTO_NATIVE),
     }
     os.makedirs(out_dir, exist_ok=True)
     stem = "native_ops_bench_quick" if quick else "native_ops_bench"
