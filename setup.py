@@ -77,7 +77,19 @@ def _native_extension():
             # editable installs copy these; list only what was really built
             return [p for p in super().get_outputs() if os.path.exists(p)]
 
-    return [ext], {"build_ext": OptionalBuildExtension}
+    from setuptools.command.develop import develop
+
+    class DevelopWithNative(develop):
+        """setuptools >= 80 turns ``develop`` (what pip runs for ``-e`` here) into a nested,
+        build-isolated ``pip install -e``, where torch is missing: build the extension in
+        place first, with this environment's torch."""
+
+        def run(self):
+            self.reinitialize_command("build_ext", inplace=1)
+            self.run_command("build_ext")
+            super().run()
+
+    return [ext], {"build_ext": OptionalBuildExtension, "develop": DevelopWithNative}
 
 
 _ext_modules, _cmdclass = _native_extension()
