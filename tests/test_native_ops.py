@@ -152,6 +152,32 @@ def test_expand_rows_forward_and_backward(monkeypatch, dtype):
     assert same_bits(out["0"][0], out["1"][0]) and same_bits(out["0"][1], out["1"][1])
 
 
+needs_native_cuda = pytest.mark.skipif(
+    N.native_module() is None or not N.native_module().WITH_CUDA or not torch.cuda.is_available(),
+    reason="needs the extension built with CUDA kernels and a GPU",
+)
+
+
+@needs_native_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_kernels_match_the_cpu_reference(dtype):
+    gen = torch.Generator().manual_seed(5)
+    bounds = ShardPlan(1000, 3).boundaries
+    for name, ids in id_batches(1000, 3, gen):
+        ref = N.dedup_bucket_reference(ids, bounds)
+        nat = N.dedup_bucket_native(ids.cuda(), bounds)
+        assert nat.unique_ids.is_cuda and same_bits(nat.unique_ids.cpu(), ref.unique_ids), name
+        assert same_bits(nat.inverse.cpu(), ref.inverse) and nat.send_counts == ref.send_counts, name
+    assert N.dedup_bucket_native(torch.tensor([5, 1000]).cuda(), bounds).bad_id == 1000
+    table = torch.randn(50, 33, generator=gen).to(dtype)
+    index = torch.randint(0, 50, (400,), generator=gen)
+    assert same_bits(N.gather_rows_native(table.cuda(), index.cuda()).cpu(), N.gather_rows_reference(table, index))
+    src = torch.randn(400, 33, generator=gen).to(dtype)
+    for scale, zero_row in ((1.0, None), (1.0 / 3, 7)):
+        got = N.scatter_add_rows_native(src.cuda(), index.cuda(), 50, scale, zero_row).cpu()
+        assert same_bits(got, N.scatter_add_rows_reference(src, index, 50, scale, zero_row)), (scale, zero_row)
+
+
 def test_mode_switch(monkeypatch):
     monkeypatch.setenv("EMBRACE_NATIVE", "sometimes")
     with pytest.raises(ValueError, match="EMBRACE_NATIVE must be one of"):

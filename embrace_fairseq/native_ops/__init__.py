@@ -61,7 +61,7 @@ OPS = (
 #:                                                        min/max syncs + sort-unique + searchsorted)
 #:   gather_rows.owner            1.07x  0.99x   1.23x  -> off (both are memcpy-bound)
 #:   gather_rows.expand           0.92x  0.52x   1.33x  -> off
-#:   scatter_add_rows.owner       1.23x  0.95x   1.58x  -> off (faster on average, one shape at 0.95x)
+#:   scatter_add_rows.owner       1.23x  0.95x   1.58x  -> off (faster on average, one shape at 0.9499x)
 #:   scatter_add_rows.per_unique  1.06x  0.84x   1.50x  -> off
 AUTO_NATIVE: Dict[str, bool] = {
     "dedup_bucket": True,
