@@ -105,7 +105,8 @@ def test_validate_reads_bench_json(tmp_path):
         "compute_s": {"forward": 0.05, "backward": 0.10, "optimizer": 0.01},
         "unique_ids_per_rank": {"4": [900, 950, 1000, 1010]},
     }
-    truth = predict(_profile(unique={4: [900, 950, 1000, 1010]}), "embrace_schedule", 4, Network(1.0, latency_s=1e-4))
+    truth = predict(_profile(unique={4: [900, 950, 1000, 1010]}), "embrace_schedule", 4, Network(1.0, latency_s=1e-4),
+                    Options(defer_rows=False))  # validation models the exchange as implemented
     runs = [
         {"model": "toy", "world_size": 4, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "embrace_schedule",
          "median_step_s": truth.step_s * 1.1},
