@@ -128,3 +128,13 @@ def test_strategy_names():
     assert sim.canonical_strategy("legacy_ddp") == "fairseq_legacy_ddp"
     with pytest.raises(ValueError, match="unknown strategy"):
         sim.canonical_strategy("horovod")
+
+
+def test_deferring_rows_only_helps():
+    p = _profile(unique={8: [3000] * 8})
+    for gbit in (1, 10, 100):
+        net = Network(gbit, latency_s=1e-4)
+        with_defer = predict(p, "embrace_schedule", 8, net, Options(defer_rows=True))
+        without = predict(p, "embrace_schedule", 8, net, Options(defer_rows=False))
+        assert with_defer.step_s <= without.step_s + 1e-12
+        assert 0 < with_defer.detail["deferred_share"] < 1 and without.detail["deferred_share"] == 0
