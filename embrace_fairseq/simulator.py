@@ -310,6 +310,10 @@ class Options:
     embrace_piece_bytes: int = 1 << 20
     defer_rows: bool = True  # relaxed embedding dependency
     shard_layout: str = "contiguous"  # ShardPlan; "strided" is a what-if
+    # tied output (gather): as built, the all-gather runs when the output projection
+    # does and the reduce-scatter inside the backward; True models them prefetched /
+    # deferred to the optimizer (a what-if)
+    overlap_table: bool = False
 
 
 # ---------------------------------------------------------------------------- link simulation
@@ -479,27 +483,39 @@ def predict(profile: Profile, strategy: str, world_size: int, net: Network, opts
             jobs.append(_Job(name, ready, cost(total_bytes), prio))
 
     # forward: the exchange goes first and the forward waits for it
-    fwd_start = x_ids + x_rows
-    jobs.append(_Job("exchange", 0.0, fwd_start, (0,)))
-    if gather:
-        add("gather", 0.0, n * max_shard * D * e, lambda b: net.allgather(b, n), (1,))
+    jobs.append(_Job("exchange", 0.0, x_ids + x_rows, (0,)))
     add("deferred", 0.0, rows_busiest * (1 - share), lambda b: net.alltoall(b, n), (2,))
+    gather_bytes = n * max_shard * D * e
+    if gather and opts.overlap_table:  # prefetched while the forward runs
+        add("gather", 0.0, gather_bytes, lambda b: net.allgather(b, n), (1,))
     spans = _run_link(jobs)
-    bwd_start = fwd_start + F + vp_fwd
-    if gather:
-        bwd_start = max(bwd_start, max(s[1] for k, s in spans.items() if k.startswith("gather")))
-    # backward: dense pieces in the static 2D order, input-near first
+    fwd_end = spans["exchange"][1] + F + vp_fwd
+    bwd_start = fwd_end
+    if gather and opts.overlap_table:
+        bwd_start = max(fwd_end, spans["gather"][1])
+    elif gather:  # as built: the output projection gathers the table when it runs
+        add("gather", fwd_end, gather_bytes, lambda b: net.allgather(b, n), (0, 1))
+        spans = _run_link(jobs)
+        bwd_start = spans["gather"][1]
     specs = _specs(profile, tied == "gather")
     ready = _ready_times(specs, B)
+    stall = 0.0
+    if gather:  # the output projection's gradient is ready first
+        t_out = bwd_start + ready[len(specs) - 1]
+        if opts.overlap_table:  # needed only by the optimizer: least urgent
+            add("table_grad", t_out, profile.table_bytes, lambda b: net.reduce_scatter(b, n), (5,))
+        else:  # as built: the reduce-scatter runs inside the backward, which waits for it
+            add("table_grad", t_out, profile.table_bytes, lambda b: net.reduce_scatter(b, n), (0, 2))
+            spans = _run_link(jobs)
+            stall = spans["table_grad"][1] - t_out
+    # backward: dense pieces in the static 2D order, input-near first
     dense_specs = specs[: len(profile.dense_layers)]
     buckets = make_buckets(dense_specs, readiness_order(dense_specs), opts.embrace_bucket_bytes)
     for b in buckets:
-        t = bwd_start + max(ready[i] for i in b.tensors)
+        t = bwd_start + stall + max(ready[i] for i in b.tensors)
         for p in cut_pieces(b, piece):
             jobs.append(_Job(f"dense{b.index}.{p.index}", t, net.allreduce(p.nbytes, n), (4, b.priority, b.index, p.index)))
-    if gather:  # the output projection's gradient is ready first; it is needed last
-        add("table_grad", bwd_start + ready[len(specs) - 1], profile.table_bytes, lambda b: net.reduce_scatter(b, n), (5,))
-    bwd_end = bwd_start + B + vp_bwd
+    bwd_end = bwd_start + stall + B + vp_bwd
     add("urgent_rows", bwd_end, rows_busiest * share, lambda b: net.alltoall(b, n), (3,))
     spans = _run_link(jobs)
     end = max([bwd_end] + [s[1] for s in spans.values()])
@@ -668,6 +684,7 @@ def paper_study(links_gbit: Sequence[float] = (10, 25, 100), worlds: Sequence[in
         strided = Options(**{**asdict(opts), "shard_layout": "strided"})
         variants = [("as_built", prof, opts), ("strided_shards", prof, strided)]
         if prof.tied_output == "gather":
+            variants.append(("overlapped_table", prof, Options(**{**asdict(opts), "overlap_table": True})))
             vp = Profile(**{**asdict(prof), "tied_output": "vocab_parallel"})
             variants.append(("vocab_parallel_output", vp, opts))
         for variant, p, o in variants:
@@ -706,6 +723,7 @@ def _markdown(study: dict, world: int = 16) -> str:
             s = r["speedup_of_embrace_schedule"]
             out = {"as_built": str(m["tied_output"] or "untied"),
                    "strided_shards": f"{m['tied_output'] or 'untied'}, strided shards (what-if)",
+                   "overlapped_table": "gather prefetched, reduce-scatter deferred (what-if)",
                    "vocab_parallel_output": "vocab-parallel (design)"}[r["variant"]]
             lines.append(
                 f"| {name} | {out} | {r['link_gbit']:g} Gbit/s | {s['fairseq_legacy_ddp']:.2f}x | {s['fairseq_c10d']:.2f}x | "
