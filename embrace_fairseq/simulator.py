@@ -543,6 +543,12 @@ def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1
     into the next forward: the exchange is synchronous in ``ShardedEmbedding``).
     """
     profiles, runs = _runs_and_profiles(bench)
+    meta = bench.get("meta", {})
+    if meta.get("fallback_loopback"):
+        # no emulated links: the network model has nothing to predict
+        return {"runs": [], "skipped": f"runs on loopback ({meta.get('fallback_reason')}), no emulated links",
+                "mean_abs_rel_error": None, "median_abs_rel_error": None, "max_abs_rel_error": None, "by_strategy": {}}
+    latency_applied = meta.get("latency_applied", True)
     for name, mode in (tied or {}).items():
         if name not in profiles:
             raise ValueError(f"--tied-output names the unknown model {name!r}")
@@ -557,7 +563,7 @@ def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1
             continue
         net = Network(
             float(run["link_gbit"]),
-            latency_s=max(float(run.get("latency_ms", 0.0)) / 1e3, latency_floor_s),
+            latency_s=max(float(run.get("latency_ms", 0.0)) / 1e3 if latency_applied else 0.0, latency_floor_s),
             efficiency=efficiency,
             overhead_s=overhead_s,
         )
@@ -584,7 +590,8 @@ def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1
         "median_abs_rel_error": float(np.median(errs)) if errs else None,
         "max_abs_rel_error": float(np.max(errs)) if errs else None,
         "by_strategy": {k: float(np.mean(v)) for k, v in by_strategy.items()},
-        "network": {"efficiency": efficiency, "overhead_s": overhead_s, "latency_floor_s": latency_floor_s},
+        "network": {"efficiency": efficiency, "overhead_s": overhead_s, "latency_floor_s": latency_floor_s,
+                    "latency_applied": latency_applied},
         "options": asdict(opts),
     }
 
@@ -900,7 +907,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{r['model']:12s} {r['world_size']:3d} {r['link_gbit']:5g} {r['strategy']:20s} "
                   f"{r['measured_s']:9.4f} {r['predicted_s']:9.4f} {100 * r['rel_error']:+6.1f}%")
         if res["mean_abs_rel_error"] is None:
-            print("no measured runs to compare with")
+            print(res.get("skipped") or "no measured runs to compare with")
             return 1
         print(f"mean |error| {100 * res['mean_abs_rel_error']:.1f}%, median {100 * res['median_abs_rel_error']:.1f}%, "
               f"max {100 * res['max_abs_rel_error']:.1f}% over {len(res['runs'])} runs")
