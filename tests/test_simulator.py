@@ -138,3 +138,22 @@ def test_deferring_rows_only_helps():
         without = predict(p, "embrace_schedule", 8, net, Options(defer_rows=False))
         assert with_defer.step_s <= without.step_s + 1e-12
         assert 0 < with_defer.detail["deferred_share"] < 1 and without.detail["deferred_share"] == 0
+
+
+def test_fit_recovers_a_known_network():
+    p = _profile(unique={4: [1000] * 4})
+    prof = {
+        "vocab": p.vocab, "dim": p.dim, "dense_numel": p.dense_numel,
+        "dense_layers": [{"name": n, "numel": k} for n, k in p.dense_layers], "tokens_per_rank": p.tokens_per_rank,
+        "compute_s": {"forward": 0.05, "backward": 0.10, "optimizer": 0.01}, "unique_ids_per_rank": {"4": [1000] * 4},
+    }
+    runs = []
+    for gbit in (1.0, 10.0):
+        truth = Network(gbit, latency_s=1e-4, efficiency=0.6, overhead_s=1e-3)
+        for s in STRATS:
+            step = predict(_profile(unique={4: [1000] * 4}), s, 4, truth, Options(defer_rows=False)).step_s
+            runs.append({"model": "toy", "world_size": 4, "link_gbit": gbit, "latency_ms": 0.1, "strategy": s,
+                         "median_step_s": step})
+    fit = sim.fit_network({"profiles": {"toy": prof}, "runs": runs})
+    assert fit["efficiency"] == pytest.approx(0.6) and fit["overhead_s"] == pytest.approx(1e-3)
+    assert fit["in_sample_mean_abs_rel_error"] < 1e-9 and fit["holdout_mean_abs_rel_error"] < 1e-9
