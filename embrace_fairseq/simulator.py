@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -92,20 +93,30 @@ class Network:
 
     ``efficiency`` is the share of the line rate a collective achieves (protocol
     headers, flow control); ``overhead_s`` is a fixed software cost per collective.
+    ``host_s_per_byte`` is the CPU time a rank spends per byte it sends (copies,
+    reductions, the TCP stack), times ``contention`` when ranks share cores: it matters
+    when ranks are emulated on one machine, and is 0 on a real cluster's GPUs.
     """
 
     link_gbit: float
     latency_s: float = 10e-6
     efficiency: float = 1.0
     overhead_s: float = 0.0
+    host_s_per_byte: float = 0.0
+    contention: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.link_gbit <= 0 or self.latency_s < 0 or not 0 < self.efficiency <= 1 or self.overhead_s < 0:
+        if (self.link_gbit <= 0 or self.latency_s < 0 or not 0 < self.efficiency <= 1 or self.overhead_s < 0
+                or self.host_s_per_byte < 0 or self.contention < 1):
             raise ValueError(f"bad network parameters: {self}")
 
     @property
     def bytes_per_s(self) -> float:
-        return self.link_gbit * 1e9 / 8 * self.efficiency
+        """Effective bytes per second a rank moves: the link, slowed by host work per byte."""
+        wire = self.link_gbit * 1e9 / 8 * self.efficiency
+        if self.host_s_per_byte == 0:
+            return wire
+        return 1.0 / (1.0 / wire + self.host_s_per_byte * self.contention)
 
     def allreduce(self, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
@@ -392,11 +403,18 @@ def _flat_buckets(numels: Iterable[int], cap: int) -> List[int]:
     return buckets
 
 
-def predict(profile: Profile, strategy: str, world_size: int, net: Network, opts: Options = Options()) -> Prediction:
-    """Steady-state step time of ``strategy`` on ``world_size`` ranks."""
+def predict(profile: Profile, strategy: str, world_size: int, net: Network, opts: Options = Options(),
+            compute_scale: float = 1.0) -> Prediction:
+    """Steady-state step time of ``strategy`` on ``world_size`` ranks.
+
+    ``compute_scale`` multiplies the profile's compute (ranks sharing CPU cores)."""
     strategy = canonical_strategy(strategy)
     n = world_size
-    F, B, O = profile.forward_s, profile.backward_s, profile.optimizer_s
+    F, B, O = (compute_scale * t for t in (profile.forward_s, profile.backward_s, profile.optimizer_s))
+    if strategy.startswith("embrace") and n > 1:
+        # each rank steps only its shard of the table (the profile times the full model)
+        full = profile.dense_numel + profile.vocab * profile.dim
+        O *= (profile.dense_numel + -(-profile.vocab // n) * profile.dim) / full
     compute = F + B + O
     if n <= 1:
         return Prediction(strategy, n, compute, compute, 0.0, 0.0)
@@ -537,24 +555,29 @@ def _runs_and_profiles(bench: dict) -> Tuple[Dict[str, Profile], List[dict]]:
 
 
 def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1.0, overhead_s: float = 0.0,
-             tied: Optional[Dict[str, str]] = None, opts: Options = Options(defer_rows=False)) -> dict:
+             host_s_per_byte: float = 0.0, tied: Optional[Dict[str, str]] = None,
+             opts: Options = Options(defer_rows=False), oversubscription: bool = True) -> dict:
     """Predict every measured run of a bench JSON; relative errors per run and summary.
 
     By default the schedule is modelled as implemented (no deferral of gradient rows
     into the next forward: the exchange is synchronous in ``ShardedEmbedding``).
+    With ``oversubscription`` the compute (measured one process at a time) is scaled
+    by ``max(1, N / cpus)`` when N ranks share the machine's ``cpus`` cores.
     """
     profiles, runs = _runs_and_profiles(bench)
-    return _validate(profiles, runs, bench.get("meta", {}), latency_floor_s=latency_floor_s, efficiency=efficiency,
-                     overhead_s=overhead_s, tied=tied, opts=opts)
+    knobs = {"efficiency": efficiency, "overhead_s": overhead_s, "host_s_per_byte": host_s_per_byte,
+             "latency_floor_s": latency_floor_s}
+    return _validate(profiles, runs, bench.get("meta", {}), knobs, tied, opts, oversubscription)
 
 
-def _validate(profiles: Dict[str, Profile], runs: List[dict], meta: dict, *, latency_floor_s: float, efficiency: float,
-              overhead_s: float, tied: Optional[Dict[str, str]], opts: Options) -> dict:
+def _validate(profiles: Dict[str, Profile], runs: List[dict], meta: dict, knobs: Dict[str, float],
+              tied: Optional[Dict[str, str]], opts: Options, oversubscription: bool) -> dict:
     if meta.get("fallback_loopback"):
         # no emulated links: the network model has nothing to predict
         return {"runs": [], "skipped": f"runs on loopback ({meta.get('fallback_reason')}), no emulated links",
                 "mean_abs_rel_error": None, "median_abs_rel_error": None, "max_abs_rel_error": None, "by_strategy": {}}
     latency_applied = meta.get("latency_applied", True)
+    cpus = (meta.get("machine") or {}).get("cpus") or 0
     for name, mode in (tied or {}).items():
         if name not in profiles:
             raise ValueError(f"--tied-output names the unknown model {name!r}")
@@ -567,18 +590,26 @@ def _validate(profiles: Dict[str, Profile], runs: List[dict], meta: dict, *, lat
             strategy = canonical_strategy(str(run["strategy"]))
         except ValueError:
             continue
+        n = int(run["world_size"])
+        share = max(1.0, n / cpus) if (oversubscription and cpus) else 1.0
         net = Network(
             float(run["link_gbit"]),
-            latency_s=max(float(run.get("latency_ms", 0.0)) / 1e3 if latency_applied else 0.0, latency_floor_s),
-            efficiency=efficiency,
-            overhead_s=overhead_s,
+            latency_s=max(float(run.get("latency_ms", 0.0)) / 1e3 if latency_applied else 0.0, knobs["latency_floor_s"]),
+            efficiency=knobs["efficiency"],
+            overhead_s=knobs["overhead_s"],
+            host_s_per_byte=knobs["host_s_per_byte"],
+            contention=share,
         )
-        pred = predict(profiles[run["model"]], strategy, int(run["world_size"]), net, opts)
+        pred = predict(profiles[run["model"]], strategy, n, net, opts, compute_scale=share)
         measured = float(run["median_step_s"])
+        steps = [float(x) for x in run.get("step_s") or []]
+        # the run's own spread (interquartile range over the median): a noise floor
+        spread = float(np.subtract(*np.percentile(steps, [75, 25])) / measured) if len(steps) >= 4 else None
         rows.append(
             {
+                "measured_rel_iqr": spread,
                 "model": run["model"],
-                "world_size": int(run["world_size"]),
+                "world_size": n,
                 "link_gbit": float(run["link_gbit"]),
                 "strategy": strategy,
                 "measured_s": measured,
@@ -596,45 +627,59 @@ def _validate(profiles: Dict[str, Profile], runs: List[dict], meta: dict, *, lat
         "median_abs_rel_error": float(np.median(errs)) if errs else None,
         "max_abs_rel_error": float(np.max(errs)) if errs else None,
         "by_strategy": {k: float(np.mean(v)) for k, v in by_strategy.items()},
-        "network": {"efficiency": efficiency, "overhead_s": overhead_s, "latency_floor_s": latency_floor_s,
-                    "latency_applied": latency_applied},
+        "median_measured_rel_iqr": (float(np.median([r["measured_rel_iqr"] for r in rows]))
+                                    if rows and all(r["measured_rel_iqr"] is not None for r in rows) else None),
+        "network": dict(knobs, latency_applied=latency_applied, cpus=cpus, oversubscription=oversubscription),
         "options": asdict(opts),
     }
 
 
+FIT_GRID = {
+    "efficiency": (0.5, 0.75, 1.0),
+    "overhead_s": (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3),
+    "host_s_per_byte": (0.0, 1e-9, 2e-9, 4e-9, 6e-9, 8e-9, 12e-9, 16e-9),
+}
+
+
 def fit_network(bench: dict, *, tied: Optional[Dict[str, str]] = None, opts: Options = Options(defer_rows=False),
-                holdout: Optional[str] = "link_gbit") -> dict:
-    """Fit the two network knobs (efficiency, per-collective overhead) to the runs.
+                holdouts: Sequence[str] = ("link_gbit", "model"), grid: Dict[str, Sequence[float]] = FIT_GRID,
+                oversubscription: bool = True) -> dict:
+    """Fit the network knobs (efficiency, per-collective overhead, host CPU per byte).
 
-    A grid search minimising the mean relative error. With ``holdout`` set, each value
-    of that run field is predicted by knobs fitted on the other runs (an honest error).
+    A grid search minimising the mean relative error. For each field in ``holdouts``,
+    the runs with each value of it are predicted by knobs fitted on the other runs (an
+    out-of-sample error: e.g. 10 Gbit/s predicted from knobs fitted at 1 Gbit/s).
     """
-    effs = [round(0.3 + 0.05 * i, 2) for i in range(15)]
-    overheads = [0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3]
-
     profiles, runs = _runs_and_profiles(bench)  # parsed once: their sparse loads are cached
+    meta = bench.get("meta", {})
+    cache: Dict[tuple, dict] = {}
 
-    def err(sub_filter, eff, ovh):
-        res = _validate(profiles, runs, bench.get("meta", {}), latency_floor_s=0.0, efficiency=eff, overhead_s=ovh,
-                        tied=tied, opts=opts)
-        errs = [abs(r["rel_error"]) for r in res["runs"] if sub_filter(r)]
-        return (float(np.mean(errs)) if errs else float("inf")), res
+    def result(k: tuple) -> dict:
+        if k not in cache:
+            knobs = dict(zip(grid, k), latency_floor_s=0.0)
+            cache[k] = _validate(profiles, runs, meta, knobs, tied, opts, oversubscription)
+        return cache[k]
 
-    def best(sub_filter):
-        return min(((err(sub_filter, e, o)[0], e, o) for e in effs for o in overheads), key=lambda t: t[0])
+    def mean_err(k: tuple, keep) -> float:
+        errs = [abs(r["rel_error"]) for r in result(k)["runs"] if keep(r)]
+        return float(np.mean(errs)) if errs else float("inf")
 
-    fitted_err, eff, ovh = best(lambda r: True)
-    out = {"efficiency": eff, "overhead_s": ovh, "in_sample_mean_abs_rel_error": fitted_err}
-    if holdout:
-        values = sorted({r[holdout] for r in err(lambda r: True, 1.0, 0.0)[1]["runs"]})
-        if len(values) > 1:
-            held = []
-            for v in values:
-                _, e2, o2 = best(lambda r, v=v: r[holdout] != v)
-                _, res = err(lambda r: True, e2, o2)
-                held += [abs(r["rel_error"]) for r in res["runs"] if r[holdout] == v]
-            out["holdout_field"] = holdout
-            out["holdout_mean_abs_rel_error"] = float(np.mean(held))
+    combos = list(itertools.product(*grid.values()))
+
+    def best(keep) -> tuple:
+        return min(combos, key=lambda k: mean_err(k, keep))
+
+    k = best(lambda r: True)
+    out = dict(zip(grid, k), in_sample_mean_abs_rel_error=mean_err(k, lambda r: True), holdout={})
+    for field_name in holdouts:
+        values = sorted({r[field_name] for r in result(k)["runs"]})
+        if len(values) < 2:
+            continue
+        held = []
+        for v in values:
+            kv = best(lambda r, v=v: r[field_name] != v)
+            held += [abs(r["rel_error"]) for r in result(kv)["runs"] if r[field_name] == v]
+        out["holdout"][field_name] = float(np.mean(held))
     return out
 
 
@@ -914,12 +959,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     v.add_argument("bench_json")
     v.add_argument("--efficiency", type=float, default=1.0, help="share of the line rate collectives reach")
     v.add_argument("--overhead-ms", type=float, default=0.0, help="software cost per collective")
+    v.add_argument("--host-ns-per-byte", type=float, default=0.0, help="CPU time per byte sent (one-machine emulation)")
+    v.add_argument("--no-oversubscription", action="store_true",
+                   help="do not scale compute by ranks per CPU core")
     v.add_argument("--tied-output", action="append", default=[], metavar="MODEL=MODE",
                    help="override a profile's tied_output (none|gather|vocab_parallel)")
     v.add_argument("--defer-rows", action="store_true",
                    help="model the relaxed deferral of gradient rows (a design the exchange does not implement yet)")
     v.add_argument("--fit", action="store_true",
-                   help="also fit efficiency and per-collective overhead (error held out per link speed)")
+                   help="also fit efficiency, per-collective overhead and host cost per byte (with held-out errors)")
     v.add_argument("--out", help="write the comparison JSON here")
     p = sub.add_parser("paper", help="8-64 GPU projection of the paper's models")
     p.add_argument("--out", default="results/simulator/")
@@ -944,8 +992,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(a.bench_json) as fh:
             bench = json.load(fh)
         tied = dict(x.split("=", 1) for x in a.tied_output)
-        res = validate(bench, efficiency=a.efficiency, overhead_s=a.overhead_ms / 1e3, tied=tied,
-                       opts=Options(defer_rows=a.defer_rows))
+        res = validate(bench, efficiency=a.efficiency, overhead_s=a.overhead_ms / 1e3,
+                       host_s_per_byte=a.host_ns_per_byte * 1e-9, tied=tied, opts=Options(defer_rows=a.defer_rows),
+                       oversubscription=not a.no_oversubscription)
         print(f"{'model':12s} {'N':>3s} {'Gbit':>5s} {'strategy':20s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
         for r in res["runs"]:
             print(f"{r['model']:12s} {r['world_size']:3d} {r['link_gbit']:5g} {r['strategy']:20s} "
@@ -954,14 +1003,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(res.get("skipped") or "no measured runs to compare with")
             return 1
         print(f"mean |error| {100 * res['mean_abs_rel_error']:.1f}%, median {100 * res['median_abs_rel_error']:.1f}%, "
-              f"max {100 * res['max_abs_rel_error']:.1f}% over {len(res['runs'])} runs")
+              f"max {100 * res['max_abs_rel_error']:.1f}% over {len(res['runs'])} runs"
+              + (f"; the runs' own step-time spread (IQR/median) is {100 * res['median_measured_rel_iqr']:.0f}% (median)"
+                 if res.get("median_measured_rel_iqr") is not None else ""))
         if a.fit:
-            res["fit"] = fit_network(bench, tied=tied, opts=Options(defer_rows=a.defer_rows))
-            f = res["fit"]
-            print(f"fitted: efficiency {f['efficiency']:.2f}, overhead {1e3 * f['overhead_s']:.2f} ms per collective; "
-                  f"mean |error| {100 * f['in_sample_mean_abs_rel_error']:.1f}% in sample"
-                  + (f", {100 * f['holdout_mean_abs_rel_error']:.1f}% holding out each {f['holdout_field']}"
-                     if "holdout_mean_abs_rel_error" in f else ""))
+            res["fit"] = f = fit_network(bench, tied=tied, opts=Options(defer_rows=a.defer_rows),
+                                         oversubscription=not a.no_oversubscription)
+            print(f"fitted: efficiency {f['efficiency']:.2f}, overhead {1e3 * f['overhead_s']:.2f} ms per collective, "
+                  f"host {1e9 * f['host_s_per_byte']:.0f} ns per byte; mean |error| "
+                  f"{100 * f['in_sample_mean_abs_rel_error']:.1f}% in sample"
+                  + "".join(f", {100 * e:.1f}% holding out each {k}" for k, e in f["holdout"].items()))
         if a.out:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=2))

@@ -149,11 +149,17 @@ def test_fit_recovers_a_known_network():
     }
     runs = []
     for gbit in (1.0, 10.0):
-        truth = Network(gbit, latency_s=1e-4, efficiency=0.6, overhead_s=1e-3)
+        # 4 ranks on 2 cores: compute and host work per byte twice as slow
+        truth = Network(gbit, latency_s=1e-4, efficiency=0.75, overhead_s=1e-3, host_s_per_byte=4e-9, contention=2.0)
         for s in STRATS:
-            step = predict(_profile(unique={4: [1000] * 4}), s, 4, truth, Options(defer_rows=False)).step_s
+            step = predict(_profile(unique={4: [1000] * 4}), s, 4, truth, Options(defer_rows=False), compute_scale=2.0).step_s
             runs.append({"model": "toy", "world_size": 4, "link_gbit": gbit, "latency_ms": 0.1, "strategy": s,
                          "median_step_s": step})
-    fit = sim.fit_network({"profiles": {"toy": prof}, "runs": runs})
-    assert fit["efficiency"] == pytest.approx(0.6) and fit["overhead_s"] == pytest.approx(1e-3)
-    assert fit["in_sample_mean_abs_rel_error"] < 1e-9 and fit["holdout_mean_abs_rel_error"] < 1e-9
+    bench = {"profiles": {"toy": prof}, "runs": runs, "meta": {"machine": {"cpus": 2}}}
+    grid = {"efficiency": (0.5, 0.75, 1.0), "overhead_s": (0.0, 1e-3), "host_s_per_byte": (0.0, 4e-9)}
+    fit = sim.fit_network(bench, grid=grid)
+    assert (fit["efficiency"], fit["overhead_s"], fit["host_s_per_byte"]) == (0.75, 1e-3, 4e-9)
+    assert fit["in_sample_mean_abs_rel_error"] < 1e-9 and fit["holdout"]["link_gbit"] < 1e-9
+    # without the oversubscription of compute the same runs are predicted too fast
+    plain = sim.validate(bench, efficiency=0.75, overhead_s=1e-3, host_s_per_byte=4e-9, oversubscription=False)
+    assert all(r["rel_error"] < -0.2 for r in plain["runs"])
