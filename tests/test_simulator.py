@@ -56,10 +56,13 @@ def test_monotone_in_bandwidth_and_schedule_helps(tied, world):
         last = {s: float("inf") for s in STRATS}
         for gbit in (1, 10, 25, 100, 400):
             net = Network(gbit, latency_s=latency)
-            steps = {s: predict(p, s, world, net).step_s for s in STRATS}
+            preds = {s: predict(p, s, world, net) for s in STRATS}
+            steps = {s: r.step_s for s, r in preds.items()}
             for s in STRATS:
                 assert steps[s] <= last[s] + 1e-12, (s, gbit)
-                assert steps[s] >= 0.16 - 1e-12
+                assert steps[s] >= preds[s].compute_s - 1e-12
+                # EmbRace's optimizer steps a shard of the table: less compute than the rest
+                assert preds[s].compute_s <= 0.16 + 1e-12
             # without cutting buckets into pieces the schedule only reorders and overlaps:
             # never slower than no schedule
             whole = Options(embrace_piece_bytes=Options().embrace_bucket_bytes)
