@@ -68,7 +68,7 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
         "strategies": a.strategies, "links": [{"gbit": l.gbit, "latency_ms": l.latency_ms} for l in links],
         "loopback": cluster.loopback, "cluster": {"tag": cluster.tag, "switch_ns": cluster.switch_ns},
         "placement": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr} for p in cluster.ranks],
-        "pg_timeout_s": 600, "profile_steps": 6,
+        "pg_timeout_s": 600, "profile_steps": 5,
     }
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))

@@ -63,6 +63,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
                                          "_tokens": [], "unique_ids_per_rank": {}})
         pm["_compute"].append(prof["compute_s"])
         b = batches[(model, world)]
+        tied = "--share-all-embeddings" in b.workload.model_args  # the output projection reads the table
         for li, link_rec in enumerate(ranks[0]["links"]):
             link = link_rec["link"]
             names = list(link_rec["strategies"])
@@ -87,7 +88,8 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
                 if bounds is not None:
                     try:
                         totals = [bounds(name, world_size=world, vocab=prof["vocab"], dim=prof["dim"],
-                                         dense_numel=prof["dense_numel"], ids_per_rank=step_ids)["total"]
+                                         dense_numel=prof["dense_numel"], ids_per_rank=step_ids,
+                                         tied_output="gather" if tied else None)["total"]
                                   for step_ids in ids]
                         min_b = statistics.fmean(totals)
                     except Exception as exc:  # a strategy the bounds do not know: say so

@@ -11,7 +11,7 @@
 (e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults).
 
 Every strategy: same fairseq arguments, seed, criterion, torch Adam (lr 1e-3), no
-clipping, loss = criterion sum / sample size of the rank's batch.
+clipping (DeepSpeed's default of 1.0 turned off), loss = criterion sum / sample size of the rank's batch.
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int) -> Dict[str, 
     cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch_rows,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; fairseq's default is no clipping
         "steps_per_print": 10**9,
         "zero_optimization": {"stage": 0},
     }
