@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from embrace_fairseq.bench import netem_cluster as NC
-from embrace_fairseq.bench.strategies import STRATEGIES
+from embrace_fairseq.bench import STRATEGIES
 
 REPO = Path(__file__).resolve().parent.parent
 NS_REASON = NC.namespaces_available()

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from . import STRATEGIES
 from . import netem_cluster as NC
-from .strategies import STRATEGIES
-from .workloads import REPO_ROOT, build_task_and_batches, lm_dictionary, lm_stream, workloads
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -140,6 +141,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         gone = NC.cleanup_leftovers()
         print(f"removed {len(gone)} namespace(s): {' '.join(gone) or '-'}")
         return 0
+    from .workloads import build_task_and_batches, lm_dictionary, lm_stream, workloads
+
     t_start = time.time()
     why_not = "--loopback given" if a.loopback else NC.namespaces_available()
     loopback = why_not is not None

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .strategies import EMBRACE, STRATEGIES
+from . import STRATEGIES
 
 LABELS = {
     "fairseq_legacy_ddp": "(a) fairseq legacy_ddp",
@@ -251,15 +251,23 @@ def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
                 extra = f"; hidden share of communication {'-' if hs is None else f'{100 * hs:.0f}%'} with the schedule"
             L.append(f"- {model}, {k}: target {v['target']}, measured "
                      f"{'-' if m is None else f'{m:.2f}'} -> {state}{extra}")
-        e = next((r for r in result["runs"] if r["model"] == model and r["world_size"] == 4 and r["link_gbit"] == 1.0
-                  and r["strategy"] == "embrace_schedule"), None)
+        sel = {r["strategy"]: r for r in result["runs"]
+               if r["model"] == model and r["world_size"] == 4 and r["link_gbit"] == 1.0}
+        e = sel.get("embrace_schedule")
         if e is not None:
             c = result["profiles"][model]["compute_s"]
-            comp = c["forward"] + c["backward"]
-            L.append(f"  - why: (e) takes {e['median_step_s']:.3f} s per step; one process alone needs "
-                     f"{comp:.3f} s for forward+backward of the stock model (x2 with 4 ranks on "
-                     f"{meta['machine']['cpus']} cores) plus {c['optimizer']:.3f} s for the full-table optimizer "
-                     f"step, which (e) does on 1/N of the table.")
+            eb = e["bytes_per_rank_per_step"]
+            table = eb.get("table_gather", 0.0) + eb.get("table_grad", 0.0)
+            others = ", ".join(f"{s} {r['bytes_total_per_rank_per_step'] / 1e6:.1f} MB in {r['median_step_s']:.3f} s"
+                               for s, r in sel.items() if s != "embrace_schedule")
+            L.append(f"  - why: (e) sends {e['bytes_total_per_rank_per_step'] / 1e6:.1f} MB per rank per step in "
+                     f"{e['median_step_s']:.3f} s ({others})"
+                     + (f"; {table / 1e6:.1f} MB of it is the tied output projection's full-table all-gather and "
+                        "reduce-scatter, the volume of the table's all-reduce" if table else "")
+                     + f". Compute: forward+backward {c['forward'] + c['backward']:.3f} s and a full-table optimizer "
+                     f"step {c['optimizer']:.3f} s in one process alone; 4 ranks share "
+                     f"{meta['machine']['cpus']} cores, so compute takes about {4 / max(1, meta['machine']['cpus'] or 1):.0f}x "
+                     "longer in the run and the communication left to save is a smaller part of the step.")
     L.append("")
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's on the same batches (all strategies are the same "
