@@ -618,6 +618,18 @@ def _validate(profiles: Dict[str, Profile], runs: List[dict], meta: dict, knobs:
             }
         )
     errs = [abs(r["rel_error"]) for r in rows]
+    # speedup of (e) over each other strategy, measured vs predicted, per setting
+    speedups = []
+    groups: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["world_size"], r["link_gbit"]), {})[r["strategy"]] = r
+    for (model, n, gbit), g in groups.items():
+        e = g.get("embrace_schedule")
+        for name, r in g.items():
+            if e is None or name == "embrace_schedule":
+                continue
+            speedups.append({"model": model, "world_size": n, "link_gbit": gbit, "over": name,
+                             "measured": r["measured_s"] / e["measured_s"], "predicted": r["predicted_s"] / e["predicted_s"]})
     by_strategy: Dict[str, List[float]] = {}
     for r in rows:
         by_strategy.setdefault(r["strategy"], []).append(abs(r["rel_error"]))
@@ -627,6 +639,9 @@ def _validate(profiles: Dict[str, Profile], runs: List[dict], meta: dict, knobs:
         "median_abs_rel_error": float(np.median(errs)) if errs else None,
         "max_abs_rel_error": float(np.max(errs)) if errs else None,
         "by_strategy": {k: float(np.mean(v)) for k, v in by_strategy.items()},
+        "speedups_of_embrace_schedule": speedups,
+        "speedup_mean_abs_rel_error": (float(np.mean([abs(x["predicted"] / x["measured"] - 1) for x in speedups]))
+                                       if speedups else None),
         "median_measured_rel_iqr": (float(np.median([r["measured_rel_iqr"] for r in rows]))
                                     if rows and all(r["measured_rel_iqr"] is not None for r in rows) else None),
         "network": dict(knobs, latency_applied=latency_applied, cpus=cpus, oversubscription=oversubscription),
@@ -1006,6 +1021,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"max {100 * res['max_abs_rel_error']:.1f}% over {len(res['runs'])} runs"
               + (f"; the runs' own step-time spread (IQR/median) is {100 * res['median_measured_rel_iqr']:.0f}% (median)"
                  if res.get("median_measured_rel_iqr") is not None else ""))
+        sp = res.get("speedups_of_embrace_schedule") or []
+        if sp:
+            print("speedup of embrace_schedule over:   measured  predicted")
+            for x in sp:
+                print(f"  {x['model']:11s} N={x['world_size']} {x['link_gbit']:4g} Gbit {x['over']:20s} "
+                      f"{x['measured']:6.2f}x  {x['predicted']:6.2f}x")
+        if sp:
+            print(f"mean |error| of the speedups: {100 * res['speedup_mean_abs_rel_error']:.1f}%")
         if a.fit:
             res["fit"] = f = fit_network(bench, tied=tied, opts=Options(defer_rows=a.defer_rows),
                                          oversubscription=not a.no_oversubscription)
