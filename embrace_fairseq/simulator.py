@@ -551,7 +551,14 @@ def _runs_and_profiles(bench: dict) -> Tuple[Dict[str, Profile], List[dict]]:
     if "profiles" not in bench or "runs" not in bench:
         raise ValueError("bench JSON needs 'profiles' and 'runs' objects")
     profiles = {name: Profile.from_json(name, d) for name, d in bench["profiles"].items()}
-    return profiles, list(bench["runs"])
+    runs = list(bench["runs"])
+    for name, prof in profiles.items():
+        # a profile that does not say: runs that all-gathered the table had a tied output
+        if "tied_output" not in bench["profiles"][name] and any(
+            r.get("model") == name and (r.get("bytes_per_rank_per_step") or {}).get("table_gather", 0) > 0 for r in runs
+        ):
+            prof.tied_output = "gather"
+    return profiles, runs
 
 
 def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1.0, overhead_s: float = 0.0,

@@ -166,3 +166,15 @@ def test_fit_recovers_a_known_network():
     # without the oversubscription of compute the same runs are predicted too fast
     plain = sim.validate(bench, efficiency=0.75, overhead_s=1e-3, host_s_per_byte=4e-9, oversubscription=False)
     assert all(r["rel_error"] < -0.2 for r in plain["runs"])
+
+
+def test_tied_output_inferred_from_recorded_table_gather():
+    prof = {"vocab": 1000, "dim": 8, "dense_numel": 10, "dense_layers": [{"name": "l", "numel": 10}],
+            "tokens_per_rank": 100, "compute_s": {"forward": 0.1, "backward": 0.2, "optimizer": 0.0}}
+    run = {"model": "m", "world_size": 2, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "embrace_schedule",
+           "median_step_s": 1.0, "bytes_per_rank_per_step": {"rows": 10.0}}
+    profiles, _ = sim._runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
+    assert profiles["m"].tied_output is None
+    run["bytes_per_rank_per_step"]["table_gather"] = 4000.0
+    profiles, _ = sim._runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
+    assert profiles["m"].tied_output == "gather"
