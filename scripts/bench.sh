@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # EmbRace against the stock data-parallel paths on an emulated cluster.
-#   scripts/bench.sh --quick          # about 5 minutes: 2 and 4 ranks, 1 Gbit/s
-#   scripts/bench.sh                  # full: 2 and 4 ranks, 1 and 10 Gbit/s
+#   scripts/bench.sh --quick          # 2 and 4 ranks, 1 Gbit/s (5 min idle, ~13 min on a busy 2-core machine)
+#   scripts/bench.sh                  # full: 2 and 4 ranks, 1 and 10 Gbit/s (~35 min here)
 #   scripts/bench.sh --cleanup        # remove namespaces left by a killed run
 # Results: results/bench/<quick|full>/{bench.json,report.md,*.png,traces/}. Needs root for
 # network namespaces; without them the ranks run on loopback and the report says so.

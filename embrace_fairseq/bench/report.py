@@ -302,6 +302,7 @@ def plots(result: Dict[str, Any], out: Path) -> List[Path]:
                 if pts:
                     xs, ys = zip(*pts)
                     ax.plot(xs, ys, style, color=f"C{i}", label=f"{LABELS[s]} {g:g} Gbit/s")
+        ax.set_xticks(sorted({r["world_size"] for r in runs}))
         ax.set_title(f"{model}: throughput")
         ax.set_xlabel("ranks")
         ax.set_ylabel("tokens / s (all ranks)")
