@@ -140,3 +140,63 @@ def equivalence_run(rank, world, steps=10, trace_dir=None, accumulation=False):
         results[("embrace_gas", True)] = train(rank, world, sharded=True, tied=True, steps=steps // 2, gas=2, embrace=dict(PIECES))
     return results
 
+
+
+def _train_cfg(rank, world, *, sharded, steps, cfg, optimizer=None, tied=True, nan_at=None, nan_rank=0):
+    """Train with a full DeepSpeed config (optimizer/scheduler from it or a client one)."""
+    import deepspeed
+
+    from embrace_fairseq.deepspeed_adapter import initialize
+
+    model = TinyLM(sharded, tied)
+    opt = optimizer(model.parameters()) if optimizer is not None else None
+    init = initialize if sharded else deepspeed.initialize
+    engine, *_ = init(model=model, optimizer=opt, model_parameters=list(model.parameters()), config=cfg)
+    if nan_at is not None and rank == nan_rank:
+        def poison(grad):
+            return torch.full_like(grad, float("nan")) if engine.global_steps == nan_at else grad
+        model.emb.weight.register_hook(poison)
+    losses = []
+    for step in range(steps):
+        ids, tgt = _batch(step, rank)
+        loss = engine(ids, tgt)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": model.full_state()}
+
+
+def zero1_run(rank, world, steps=10):
+    """Stock DeepSpeed ZeRO-1 vs EmbRace ZeRO-1: a client Adam with clipping, and
+    AdamW plus a warm-up LR schedule from the config (hyper-parameters read live)."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    res = {}
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    base = _ds_config(stage=1)
+    for sharded in (False, True):
+        res[("adam", sharded)] = _train_cfg(rank, world, sharded=sharded, steps=steps, cfg=dict(base), optimizer=adam)
+        cfg = dict(base, gradient_clipping=0.0,
+                   optimizer={"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.1, "torch_adam": True}},
+                   scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-2,
+                                                               "warmup_num_steps": 5, "warmup_type": "linear"}})
+        res[("adamw_sched", sharded)] = _train_cfg(rank, world, sharded=sharded, steps=steps, cfg=cfg)
+        sgd = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9, weight_decay=1e-3)  # noqa: E731
+        res[("sgd_untied", sharded)] = _train_cfg(rank, world, sharded=sharded, steps=steps, cfg=dict(base, zero_allow_untested_optimizer=True),
+                                                  optimizer=sgd, tied=False)
+    return res
+
+
+def nonfinite_run(rank, world, stage):
+    """A NaN in one rank's shard gradient at step 2: every rank raises the same error."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    from embrace_fairseq.grad_norm import NonFiniteGradientError
+
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    try:
+        _train_cfg(rank, world, sharded=True, steps=4, cfg=_ds_config(stage=stage), optimizer=adam,
+                   nan_at=2, nan_rank=world - 1)
+    except NonFiniteGradientError as exc:
+        return {"error": str(exc), "isfpe": isinstance(exc, FloatingPointError)}
+    return {"error": None}
