@@ -124,28 +124,29 @@ class ShardOptimizer:
         self._hp = hp
 
     @torch.no_grad()
-    def apply(self, rows: Optional[Sequence[Optional[torch.Tensor]]] = None, grad_scale: float = 1.0) -> None:
+    def apply(self, rows: Optional[Sequence[Optional[torch.Tensor]]] = None, grad_scale: float = 1.0,
+              grads: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
         """Update the given local rows (per parameter; ``None`` = all rows) with the
-        current step's hyper-parameters. ``.grad`` is multiplied by ``grad_scale``
-        first (loss-scale removal and clipping). Call for disjoint row sets whose union
-        is every row exactly once per step."""
+        current step's hyper-parameters. The gradient is ``.grad`` (or ``grads``, per
+        parameter), multiplied by ``grad_scale`` first (loss-scale removal and clipping).
+        Call for disjoint row sets whose union is every row exactly once per step."""
         if self._hp is None:
             raise RuntimeError("ShardOptimizer.apply() before begin_step()")
         for i, p in enumerate(self.params):
             idx = None if rows is None else rows[i]
             if idx is not None and idx.numel() == 0:
                 continue
-            self._update(p, self.state[i], idx, grad_scale)
+            self._update(p, self.state[i], idx, grad_scale, p.grad if grads is None else grads[i])
 
     def step(self, hp: HyperParams, grad_scale: float = 1.0) -> None:
         """One full step over all rows."""
         self.begin_step(hp)
         self.apply(None, grad_scale)
 
-    def _update(self, p: torch.nn.Parameter, st: Dict[str, torch.Tensor], idx: Optional[torch.Tensor], scale: float) -> None:
+    def _update(self, p: torch.nn.Parameter, st: Dict[str, torch.Tensor], idx: Optional[torch.Tensor], scale: float,
+                grad: Optional[torch.Tensor]) -> None:
         hp, t = self._hp, self.step_count
         assert hp is not None
-        grad = p.grad
         if grad is None:
             grad = torch.zeros_like(p)
         master = st.get("master")

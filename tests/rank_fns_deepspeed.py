@@ -26,19 +26,20 @@ def _ds_env(rank, world):
 class TinyLM(nn.Module):
     """embedding -> 2 linear layers -> tied or untied output projection."""
 
-    def __init__(self, sharded: bool, tied: bool):
+    def __init__(self, sharded: bool, tied: bool, vocab: int = VOCAB):
         super().__init__()
         torch.manual_seed(1234)
+        self.vocab = vocab
         if sharded:
-            self.emb = ShardedEmbedding(VOCAB, DIM, padding_idx=1)
+            self.emb = ShardedEmbedding(vocab, DIM, padding_idx=1)
         else:  # same RNG draws as ShardedEmbedding's initial table
-            self.emb = nn.Embedding(VOCAB, DIM, padding_idx=1, _weight=fairseq_initial_table(VOCAB, DIM, 1))
+            self.emb = nn.Embedding(vocab, DIM, padding_idx=1, _weight=fairseq_initial_table(vocab, DIM, 1))
         self.fc1 = nn.Linear(DIM, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, DIM)
         self.tied = tied
         self.sharded = sharded
         if not tied:
-            self.out = nn.Linear(DIM, VOCAB)
+            self.out = nn.Linear(DIM, vocab)
 
     def forward(self, ids, target):
         h = self.fc2(torch.tanh(self.fc1(self.emb(ids))))
@@ -47,7 +48,7 @@ class TinyLM(nn.Module):
             logits = h @ w.t()
         else:
             logits = self.out(h)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), target.reshape(-1))
 
     def full_state(self):
         # numpy, not tensors: tensors cross the result queue as shared memory that
@@ -59,10 +60,10 @@ class TinyLM(nn.Module):
         return out
 
 
-def _batch(step, rank):
+def _batch(step, rank, vocab=VOCAB):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return ids, torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
 def _ds_config(gas=1, clip=0.05, embrace=None, stage=0):
@@ -200,3 +201,54 @@ def nonfinite_run(rank, world, stage):
     except NonFiniteGradientError as exc:
         return {"error": str(exc), "isfpe": isinstance(exc, FloatingPointError)}
     return {"error": None}
+
+
+def _train_relaxed(rank, world, *, sharded, tied, steps, embrace=None, next_ids=True, vocab=VOCAB, stage=0):
+    """Like ``train`` without clipping; the relaxed hook is told the next batch's ids
+    between forward and backward (or not, with ``next_ids=False``: every lookup waits)."""
+    import deepspeed
+
+    from embrace_fairseq.deepspeed_adapter import initialize
+
+    model = TinyLM(sharded, tied, vocab)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cfg = _ds_config(clip=0.0, stage=stage)
+    if sharded:
+        engine, *_ = initialize(model=model, optimizer=opt, config=dict(cfg, embrace=embrace or {}))
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    losses = []
+    for step in range(steps):
+        ids, tgt = _batch(step, rank, vocab)
+        loss = engine(ids, tgt)
+        if sharded and next_ids:
+            engine.embrace.next_batch(_batch(step + 1, rank, vocab)[0])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    hook = getattr(engine, "embrace", None)
+    summary = hook.summary() if hook is not None else None
+    if hook is not None:
+        hook.close()
+    return {"losses": losses, "state": model.full_state(), "summary": summary}
+
+
+def relaxed_run(rank, world, steps=10, trace_dir=None):
+    """Stock vs EmbRace synchronous vs EmbRace relaxed (tied and untied, with and without
+    next-batch ids, ZeRO-1), plus a traced run on a bigger table."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    res = {}
+    relaxed = dict(PIECES, relaxed_embedding=True)
+    for tied in (False, True):
+        res[("stock", tied)] = _train_relaxed(rank, world, sharded=False, tied=tied, steps=steps)
+        res[("sync", tied)] = _train_relaxed(rank, world, sharded=True, tied=tied, steps=steps, embrace=dict(PIECES))
+        res[("relaxed", tied)] = _train_relaxed(rank, world, sharded=True, tied=tied, steps=steps, embrace=relaxed)
+    res[("relaxed_no_ids", False)] = _train_relaxed(rank, world, sharded=True, tied=False, steps=steps, embrace=relaxed,
+                                                    next_ids=False)
+    res[("relaxed_zero1", False)] = _train_relaxed(rank, world, sharded=True, tied=False, steps=steps, embrace=relaxed,
+                                                   stage=1)
+    if trace_dir:
+        big = dict(relaxed, trace=os.path.join(trace_dir, "relaxed"))
+        _train_relaxed(rank, world, sharded=True, tied=False, steps=4, embrace=big, vocab=20000)
+    return res

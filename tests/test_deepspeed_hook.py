@@ -107,7 +107,7 @@ def test_trace_shows_overlap(trace_root):
         ({"max_in_flight": "2"}, '"embrace.max_in_flight"'),
         ({"tensor_level": 1}, '"embrace.tensor_level"'),
         ({"trace": ""}, '"embrace.trace"'),
-        ({"relaxed_embedding": True}, "not implemented"),
+        ({"relaxed_embedding": "yes"}, '"embrace.relaxed_embedding"'),
         ([], '"embrace" must be a JSON object'),
     ],
 )

@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..relaxed_embedding import RelaxedRows
 from ..grad_norm import combine_norms, nonfinite_gradients, raise_if_nonfinite, sharded_sq_norm
 from ..shard_optimizer import HyperParams, ShardOptimizer, kind_of
 from ..scheduled_allreduce import ScheduledAllReduce
@@ -163,6 +164,11 @@ class EmbraceEngineHook:
             engine.enable_backward_allreduce = False
         else:
             self._extend_zero_norm()
+        self.relaxed: Optional[RelaxedRows] = None
+        if config.relaxed_embedding:
+            # its own group: the deferred AlltoAlls run beside the default group's lookups
+            rgroup = dist.new_group(ranks=list(range(dist.get_world_size()))) if dist.is_initialized() else None
+            self.relaxed = RelaxedRows(self.tables, rgroup, self.tracer)
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._last_clip_scale = 1.0
         self._trace_tables()
@@ -271,6 +277,8 @@ class EmbraceEngineHook:
                 return forward(*inputs, **kwargs)
 
         def traced_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.relaxed is not None:
+                self._join_relaxed()
             with tracer.phase("backward", step=e.global_steps):
                 return backward(loss, *args, **kwargs)
 
@@ -284,6 +292,13 @@ class EmbraceEngineHook:
                 with tracer.phase("step", step=e.global_steps):
                     return step(*args, **kwargs)
             hp = self._shard_hparams()  # before DeepSpeed's step moves the LR scheduler
+            if self.relaxed is not None:
+                with tracer.phase("step", step=e.global_steps):
+                    # rows the next batch reads now; the rest on a thread (no clipping here)
+                    self.relaxed.step(shard_opt, hp)
+                    out = step(*args, **kwargs)
+                    shard_opt.zero_grad()
+                return out
             with tracer.phase("step", step=e.global_steps):
                 self._last_clip_scale = 1.0
                 out = step(*args, **kwargs)
@@ -328,6 +343,33 @@ class EmbraceEngineHook:
             emb.register_forward_pre_hook(pre)
             emb.register_forward_hook(post)
 
+    # ------------------------------------------------------------------ relaxed dependency
+    def next_batch(self, batch: Any) -> None:
+        """Tell the hook the ids the next batch looks up (relaxed embedding dependency).
+        Collective: every rank calls it once between a forward and its backward.
+
+        ``batch``: a fairseq sample (its ``net_input`` integer tensors), a tensor, or a
+        list of tensors; every table gets the same ids (a superset is harmless)."""
+        if self.relaxed is None:
+            return
+        if isinstance(batch, dict):
+            src = batch.get("net_input", batch)
+            ids = [v for v in src.values() if torch.is_tensor(v) and not v.is_floating_point() and v.dim() >= 1]
+        elif torch.is_tensor(batch):
+            ids = [batch]
+        else:
+            ids = [t for t in (batch or []) if torch.is_tensor(t)]
+        self.relaxed.next_batch([[i.detach().cpu() for i in ids] for _ in self.tables])
+
+    def _join_relaxed(self) -> None:
+        """Wait for the deferred rows; stop every rank on a non-finite deferred gradient."""
+        assert self.relaxed is not None
+        self.relaxed.wait()
+        bad = set(self.relaxed.take_nonfinite())
+        named = [(f"deferred rows of table {i}", torch.tensor([float("nan") if f"ShardedEmbedding[{i}]" in bad else 0.0]))
+                 for i in range(len(self.tables))]
+        raise_if_nonfinite(nonfinite_gradients(named))
+
     # ------------------------------------------------------------------ results
     def summary(self) -> Dict[str, Any]:
         """Bytes by kind and the hidden share of communication (from the trace)."""
@@ -335,6 +377,8 @@ class EmbraceEngineHook:
 
     def close(self) -> Optional[str]:
         """Write the trace (when configured) and return its path."""
+        if getattr(self, "relaxed", None) is not None:
+            self.relaxed.wait()
         if getattr(self, "_closed", True) or self.config.trace is None:
             return None
         self._closed = True
