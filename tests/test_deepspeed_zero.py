@@ -20,6 +20,7 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+@pytest.mark.slow
 def test_zero1_matches_stock_zero1():
     """10 steps on 2 ranks: client Adam + clipping, AdamW + WarmupLR from the config,
     SGD with momentum and weight decay (untied): losses and gathered weights within 1e-4."""

@@ -73,8 +73,9 @@ def _plain_torch_optimizer(opt: Any) -> bool:
 
 
 def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, criterion: Any, epoch_itr: Any,
-                    extra: Dict[str, Any]) -> None:
-    """Write ``path`` (rank 0) from the state of every rank. Collective."""
+                    extra: Dict[str, Any], iterator_state: Optional[Dict[str, Any]] = None) -> None:
+    """Write ``path`` (rank 0) from the state of every rank. Collective. ``iterator_state``
+    overrides ``epoch_itr.state_dict()`` (a caller that has read ahead)."""
     from omegaconf import OmegaConf
 
     hook = engine.embrace
@@ -104,7 +105,7 @@ def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, cr
             }],
             "task_state": {},
             "extra_state": {
-                "train_iterator": epoch_itr.state_dict(),
+                "train_iterator": iterator_state if iterator_state is not None else epoch_itr.state_dict(),
                 "val_loss": extra.get("val_loss"),
                 "best": extra.get("best_loss"),
                 "metrics": {},

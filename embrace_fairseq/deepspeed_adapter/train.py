@@ -206,9 +206,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     last_sample = None
     start = time.time()
 
+    peeked = [False]
+
     def checkpoint(name: str, val_loss: Optional[float] = None) -> None:
         extra["val_loss"] = val_loss
-        save_checkpoint(os.path.join(save_dir, name), cfg, engine, model, criterion, epoch_itr, extra)
+        itr_state = epoch_itr.state_dict()
+        if peeked[0]:
+            itr_state["iterations_in_epoch"] -= 1
+        save_checkpoint(os.path.join(save_dir, name), cfg, engine, model, criterion, epoch_itr, extra, itr_state)
 
     def validate_and_save(end_of_epoch: bool) -> None:
         val = None
@@ -230,7 +235,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         # empty ones), so every rank takes part in every collective
         itr = epoch_itr.next_epoch_itr(shuffle=True)
         epoch = epoch_itr.epoch
-        for sample in itr:
+        relaxed = engine.embrace.relaxed is not None
+        upcoming = next(itr, None) if itr.has_next() else None
+        while upcoming is not None:
+            sample = upcoming
+            # the relaxed embedding dependency is told the next batch: a lookahead of one
+            # (checkpoints then record one batch less as consumed)
+            upcoming = next(itr, None) if relaxed and itr.has_next() else None
+            peeked[0] = upcoming is not None
             empty = _is_empty(sample)
             if empty:
                 if last_sample is None:
@@ -241,6 +253,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             engine.train()
             utils.set_torch_seed(cfg.common.seed + num_updates)  # as fairseq's trainer: dropout per update
             loss, sample_size, log = criterion(engine, sample)
+            if relaxed:
+                engine.embrace.next_batch(None if upcoming is None or _is_empty(upcoming) else upcoming)
             loss = loss / max(sample_size, 1)
             if empty:
                 loss = loss * 0.0  # takes part in the collectives, contributes nothing
@@ -251,12 +265,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                 logger.info("epoch %d | update %d | loss %r | lr %r | %.1f s", epoch, num_updates,
                             float(loss.detach()) / math.log(2), engine.get_lr()[0], time.time() - start)
             stop = num_updates >= max_update
-            at_end = itr.has_next() is False
+            at_end = not itr.has_next() and upcoming is None
             if not at_end and ((save_updates and num_updates % save_updates == 0) or
                                (valid_updates and num_updates % valid_updates == 0) or stop):
                 validate_and_save(False)
             if stop:
                 break
+            if not relaxed:
+                upcoming = next(itr, None) if itr.has_next() else None
+        peeked[0] = False
         if epoch_itr.end_of_epoch():
             validate_and_save(True)
     hook = engine.embrace
