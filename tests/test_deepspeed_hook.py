@@ -96,6 +96,10 @@ def test_trace_shows_overlap(trace_root):
         names = {e["name"] for e in on["traceEvents"]}
         assert {"forward", "backward", "step", "dense_grad", "grad_rows", "rows", "ids"} <= names
         assert on["otherData"]["bytes_by_kind"]["dense_grad"] > 0
+        # model level: no dense piece is issued while an embedding gradient exchange is in flight
+        exch = [(e["ts"], e["ts"] + e["dur"]) for e in on["traceEvents"] if e.get("name") == "grad_rows"]
+        dense = [e["ts"] for e in on["traceEvents"] if e.get("name") == "dense_grad"]
+        assert exch and not [t for t in dense for s, e in exch if s < t < e]
     assert len(glob.glob(os.path.join(trace_dir, "*.json"))) == 2 * world
 
 

@@ -166,7 +166,10 @@ def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, epoch_itr: A
             if len(blobs) != world:
                 raise ValueError(f"{path}: DeepSpeed's optimizer state was saved by {len(blobs)} ranks (ZeRO partitions it); "
                                  f"resume with {len(blobs)} ranks or pass --reset-optimizer")
-            engine.optimizer.load_state_dict(_unblob(blobs[rank]))
+            if engine.zero_optimization_stage() >= 1:
+                engine.optimizer.load_state_dict([_unblob(b) for b in blobs])  # ZeRO takes every rank's
+            else:
+                engine.optimizer.load_state_dict(_unblob(blobs[rank]))
         if hook.shard_optimizer is not None and opt_state.get("shards") is not None:
             hook.shard_optimizer.load_full_state_dict(opt_state["shards"])
         sched = ckpt["optimizer_history"][-1].get("lr_scheduler_state") or {}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..relaxed_embedding import RelaxedRows
 from ..grad_norm import combine_norms, nonfinite_gradients, raise_if_nonfinite, sharded_sq_norm
 from ..shard_optimizer import HyperParams, ShardOptimizer, kind_of
-from ..scheduled_allreduce import ScheduledAllReduce
+from ..scheduled_allreduce import ExchangeGate, ScheduledAllReduce
 from ..scheduler import Schedule, ScheduleOptions, TensorSpec, build_schedule
 from ..sharded_embedding import ShardedEmbedding, is_sharded_param, sharded_embeddings
 from ..trace import Tracer, TracingLedger
@@ -153,6 +153,8 @@ class EmbraceEngineHook:
         if self.zero_stage == 0:
             # All ranks create it in the same order, so this collective call is safe here.
             group = dist.new_group(ranks=list(range(dist.get_world_size()))) if dist.is_initialized() else None
+            # model level: the embedding exchange goes before any dense piece not yet issued
+            self.gate = ExchangeGate() if config.model_level and config.overlap else None
             self.reducer = ScheduledAllReduce(
                 dense_parameters(module),
                 self.schedule,
@@ -160,6 +162,7 @@ class EmbraceEngineHook:
                 overlap=config.overlap,
                 active=self._reducing_backward,
                 tracer=self.tracer,
+                gate=self.gate,
             )
             engine.enable_backward_allreduce = False
         else:
@@ -170,6 +173,8 @@ class EmbraceEngineHook:
             rgroup = dist.new_group(ranks=list(range(dist.get_world_size()))) if dist.is_initialized() else None
             self.relaxed = RelaxedRows(self.tables, rgroup, self.tracer)
         self._names = {id(p): n for n, p in module.named_parameters()}
+        if getattr(self, "gate", None) is not None:
+            self._gate_tables()
         self._last_clip_scale = 1.0
         self._trace_tables()
         self._wrap_engine()
@@ -324,6 +329,27 @@ class EmbraceEngineHook:
         if params:
             torch._foreach_mul_([p.grad.detach() for p in params], coef.to(params[0].grad.device))
         return total
+
+    def _gate_tables(self) -> None:
+        """Close the gate when a table's looked-up rows get their gradient (the exchange
+        starts), open it when the shard gradient is accumulated (it ended)."""
+        gate = self.gate
+        assert gate is not None
+
+        def arrived(g: torch.Tensor) -> torch.Tensor:
+            if self._reducing_backward():
+                gate.enter()
+                torch.autograd.Variable._execution_engine.queue_callback(gate.release_all)
+            return g
+
+        def post(module: ShardedEmbedding, inputs: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(arrived)
+
+        for emb in self.tables:
+            if emb.is_sharded:
+                emb.register_forward_hook(post)
+                emb.weight.register_post_accumulate_grad_hook(lambda p: gate.leave())
 
     def _trace_tables(self) -> None:
         if not self.tracer.enabled:

@@ -206,13 +206,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     last_sample = None
     start = time.time()
 
-    peeked = [False]
+    peeked: List[Any] = [False, 0, 0]  # read ahead?, epoch, batches read
 
     def checkpoint(name: str, val_loss: Optional[float] = None) -> None:
         extra["val_loss"] = val_loss
         itr_state = epoch_itr.state_dict()
         if peeked[0]:
-            itr_state["iterations_in_epoch"] -= 1
+            # the batch read ahead is not consumed (fairseq would call a fully read epoch done)
+            itr_state["epoch"], itr_state["iterations_in_epoch"] = peeked[1], peeked[2] - 1
         save_checkpoint(os.path.join(save_dir, name), cfg, engine, model, criterion, epoch_itr, extra, itr_state)
 
     def validate_and_save(end_of_epoch: bool) -> None:
@@ -242,7 +243,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             # the relaxed embedding dependency is told the next batch: a lookahead of one
             # (checkpoints then record one batch less as consumed)
             upcoming = next(itr, None) if relaxed and itr.has_next() else None
-            peeked[0] = upcoming is not None
+            peeked[:] = [upcoming is not None, epoch, itr.n]
             empty = _is_empty(sample)
             if empty:
                 if last_sample is None:
@@ -273,8 +274,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 break
             if not relaxed:
                 upcoming = next(itr, None) if itr.has_next() else None
+        stopped_early = peeked[0] or itr.has_next()  # max-update reached inside the epoch
         peeked[0] = False
-        if epoch_itr.end_of_epoch():
+        if not stopped_early and epoch_itr.end_of_epoch():
             validate_and_save(True)
     hook = engine.embrace
     if rank == 0:
