@@ -56,7 +56,7 @@ class TinyLM(nn.Module):
         out = {}
         for name, p in self.named_parameters():
             t = self.emb.full_weight() if (self.sharded and p is self.emb.weight) else p.detach()
-            out[name] = t.numpy().copy()
+            out[name] = t.float().numpy().copy()  # numpy has no bf16
         return out
 
 
@@ -258,3 +258,13 @@ def relaxed_run(rank, world, steps=10, trace_dir=None, quick=False):
         big = dict(relaxed, trace=os.path.join(trace_dir, "relaxed"))
         _train_relaxed(rank, world, sharded=True, tied=False, steps=4, embrace=big, vocab=20000)
     return res
+
+
+def bf16_run(rank, world, steps=10):
+    """bf16 with ZeRO-1: stock DeepSpeed vs EmbRace (client Adam, clipping)."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    cfg = dict(_ds_config(stage=1), bf16={"enabled": True})
+    return {sharded: _train_cfg(rank, world, sharded=sharded, steps=steps, cfg=dict(cfg), optimizer=adam)
+            for sharded in (False, True)}
