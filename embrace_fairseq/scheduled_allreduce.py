@@ -16,6 +16,7 @@ is the one to reduce (``active``) and calls :meth:`finish` before the optimizer 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, List, Optional, Sequence
 
@@ -26,6 +27,41 @@ from . import comm_ledger as K
 from .comm_ledger import CommLedger, global_ledger
 from .scheduler import Schedule
 from .trace import Tracer
+
+
+class ExchangeGate:
+    """The embedding exchange as the first item of the schedule: while a table's gradient
+    exchange is in flight (entered when its rows' gradient arrives in backward, left when
+    the shard gradient is accumulated), the communication thread issues no new dense
+    piece, so the exchange the next forward needs first does not queue behind them.
+    Pieces already issued complete; the per-group issue order is unchanged."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self._busy += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            if self._busy > 0:
+                self._busy -= 1
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        with self._cond:
+            self._busy = 0
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def idle(self):
+        """Hold the gate closed to exchanges while issuing one piece."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            yield
 
 
 class ScheduledAllReduce:
@@ -40,6 +76,7 @@ class ScheduledAllReduce:
         active: says whether the running backward is one whose gradients get reduced
             (gradient accumulation reduces only at the boundary).
         ledger, tracer: byte accounting and timeline (optional).
+        gate: an :class:`ExchangeGate`: no piece is issued while an embedding exchange is in flight.
     """
 
     def __init__(
@@ -52,6 +89,7 @@ class ScheduledAllReduce:
         active: Callable[[], bool] = lambda: True,
         ledger: Optional[CommLedger] = None,
         tracer: Optional[Tracer] = None,
+        gate: Optional[ExchangeGate] = None,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
@@ -63,6 +101,7 @@ class ScheduledAllReduce:
         self.active = active
         self.ledgers = [global_ledger()] + ([ledger] if ledger is not None and ledger is not global_ledger() else [])
         self.tracer = tracer or Tracer(enabled=False)
+        self.gate = gate
         self._bucket_of = {}
         for b in schedule.buckets:
             for t in b.tensors:
@@ -157,8 +196,9 @@ class ScheduledAllReduce:
                 while len(pending) >= credit:
                     self._complete(pending.pop(0))
                 view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
-                start = self.tracer.now()
-                work = dist.all_reduce(view, group=self.group, async_op=True)
+                with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
+                    start = self.tracer.now()
+                    work = dist.all_reduce(view, group=self.group, async_op=True)
                 pending.append((work, piece, start))
             while pending:
                 self._complete(pending.pop(0))
