@@ -113,12 +113,25 @@ def _failed(tmp: str, path: str, exc: BaseException) -> None:
         os.unlink(tmp)
     except OSError:
         pass
-    if isinstance(exc, OSError) or _is_io_error(exc):
+    io_error = _io_error_in_chain(exc)
+    if io_error is not None:
         raise CheckpointWriteError(
-            getattr(exc, "errno", None) or errno.EIO,
-            f"could not write checkpoint {path}: {_cause(exc)}; the previous file (if any) is unchanged",
+            getattr(io_error, "errno", None) or errno.EIO,
+            f"could not write checkpoint {path}: {_cause(io_error)}; the previous file (if any) is unchanged",
         ) from exc
     raise exc
+
+
+def _io_error_in_chain(exc: BaseException):
+    """The OSError behind ``exc``: torch's zip writer, closing after a failed write,
+    raises its own RuntimeError ("unexpected pos") with the OSError as context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) or _is_io_error(exc):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -180,8 +193,12 @@ def corrupt_error(path: str, exc: BaseException) -> BaseException:
     text = str(exc)
     if "Weights only load failed" in text:
         return exc
-    format_error = isinstance(exc, (EOFError, pickle.UnpicklingError)) or (
-        isinstance(exc, RuntimeError) and ("PytorchStreamReader" in text or "zip archive" in text)
+    format_error = (
+        isinstance(exc, (EOFError, pickle.UnpicklingError))
+        # a file too short for torch's zip check falls to the legacy reader, whose seek fails
+        or (isinstance(exc, OSError) and exc.errno == errno.EINVAL)
+        or (isinstance(exc, RuntimeError)
+            and any(k in text for k in ("PytorchStreamReader", "zip archive", "magic number", "corrupt")))
     )
     if not format_error:
         return exc
