@@ -319,17 +319,16 @@ def test_killed_and_resumed_equals_uninterrupted(corpus, uninterrupted, tmp_path
     log = tmp_path / "killed.log"
     cmd = [venv_script("torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), venv_script("fairseq-train"), *args]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=fairseq_env(PRECISE),
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=fairseq_env(PRECISE))
     try:
         assert wait_for(lambda: any(int(r["num_updates"]) >= 10 for r in parse_json_records(log.read_text())
                                     if r["_tag"] == "train_inner"), timeout=300), log.read_text()[-3000:]
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole job at once, like a lost machine
+        _kill_tree(proc.pid)  # the whole job at once (torchrun puts workers in sessions of their own)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         proc.wait()
     killed_at = max(int(r["num_updates"]) for r in parse_json_records(log.read_text()) if r["_tag"] == "train_inner")
+    assert killed_at < 16 and not (save / "checkpoint_1_16.pt").exists()
     resumed = run_fairseq_train(args, nproc=2, env=PRECISE, timeout=400, user_dir=None).check()
     start = min(_losses(resumed))
     assert start in (9, 13) and start <= killed_at + 1, (start, killed_at)
@@ -339,6 +338,23 @@ def test_killed_and_resumed_equals_uninterrupted(corpus, uninterrupted, tmp_path
     assert worst <= 1e-6, (worst, got, want)
     note(record_property, "fairseq", f"killed at update {killed_at}, resumed from update {start - 1}: losses of "
                                      f"updates {start}..16 equal the uninterrupted run (max rel. diff {worst:.1e})")
+
+
+def _kill_tree(pid):
+    """SIGKILL a process and all its descendants at once, like a machine that goes away."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
 
 
 def _load_on_ranks(rank, world, ckpt):

@@ -1,0 +1,77 @@
+"""Fault scenarios of the DeepSpeed path: the EmbRace engine (``initialize``) in real gloo
+ranks, and the ``embrace-ds-train`` launcher."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import rank_fns_reliability_ds as RD  # noqa: E402
+from embrace_fairseq.local_ranks import RanksFailed, free_port, run_ranks  # noqa: E402
+from fairseq_corpus import fairseq_env, make_translation_corpus  # noqa: E402
+from reliability_util import note  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ds_ranks_with_different_configs_stop_at_startup(record_property):
+    """Ranks started with different "embrace" configs (DeepSpeed): error at start-up on every rank."""
+    res = run_ranks(RD.mismatched_config, 3, 2, timeout_s=300, pg_timeout_s=120)
+    for r, (kind, msg, _) in enumerate(res):
+        assert kind == "ConfigMismatchError", (r, kind, msg)
+        assert "collective schedule differs (ranks 0,1:" in msg and "ranks 2:" in msg, msg
+    note(record_property, "DeepSpeed", "ConfigMismatchError from `initialize` on all 3 ranks: "
+                                       "`collective schedule differs (ranks 0,1: ...; ranks 2: ...)`",
+         max(t for _, _, t in res))
+
+
+@pytest.mark.slow
+def test_ds_rank_dies_others_exit_naming_it(tmp_path, record_property):
+    """A rank SIGKILLed mid-step on the DeepSpeed engine (no launcher): the others stop, naming it."""
+    mark = tmp_path / "killed_at"
+    os.environ["EMBRACE_PEER_TIMEOUT_S"] = "5"
+    try:
+        res = run_ranks(RD.rank_dies, 3, 2, 3, str(mark), timeout_s=300, pg_timeout_s=600, return_errors=True)
+    finally:
+        del os.environ["EMBRACE_PEER_TIMEOUT_S"]
+    done = time.time()
+    for r in (0, 1):
+        assert isinstance(res[r], RanksFailed) and "rank 2 lost: its process" in str(res[r]), (r, res[r])
+    assert isinstance(res[2], RanksFailed) and "signal 9" in str(res[2]), res[2]
+    detect = done - float(mark.read_text())
+    assert detect < 30, detect
+    note(record_property, "DeepSpeed", "ranks 0, 1 stopped by the watchdog installed by `initialize`: "
+                                       "`rank 2 lost: its process ... is gone`", detect)
+
+
+@pytest.mark.slow
+def test_ds_bad_ids_from_data_stop_every_rank(tmp_path, record_property):
+    """Bad input on embrace-ds-train: a dictionary that does not match the binarised data."""
+    data = make_translation_corpus(tmp_path / "corpus", vocab_size=51, n_train=120)
+    lines = (data / "dict.src.txt").read_text().splitlines(keepends=True)
+    (data / "dict.src.txt").write_text("".join(lines[:-12]))
+    shutil.copy(data / "dict.src.txt", data / "dict.tgt.txt")
+    env = dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent), MASTER_PORT=str(free_port()),
+               DS_CONFIG=str(ROOT / "ds_config" / "embrace_cpu.json"))
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [str(ROOT / "scripts" / "ds_train_cpu.sh"), "2", str(data), "--task", "translation",
+         "--arch", "embrace_transformer", "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "1",
+         "--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+         "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+         "--max-tokens", "200", "--max-epoch", "1", "--save-dir", str(tmp_path / "ckpt")],
+        env=env, capture_output=True, text=True, timeout=600)
+    took = time.monotonic() - t0
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "InvalidIdError" in out and "is out of range for a table of" in out, out[-4000:]
+    bad = [ln for ln in out.splitlines() if "is out of range for a table of" in ln][0]
+    note(record_property, "DeepSpeed", f"embrace-ds-train x2 stops: `{bad.split('InvalidIdError: ')[-1][:110]}`", took)
