@@ -2,6 +2,7 @@
 
     python -m embrace_fairseq.reliability            # the fast scenarios (what CI runs too)
     python -m embrace_fairseq.reliability --slow     # every scenario, soak included
+    python -m embrace_fairseq.reliability --slow -k soak   # some of them (pytest arguments pass through)
 
 Runs pytest on ``tests/test_reliability_*.py`` with a small plugin that collects, per
 test, its outcome and what the test recorded with ``record_property`` (the path it
@@ -190,8 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--slow", action="store_true", help="run every scenario, soak included")
     ap.add_argument("--out", default=str(DOC), help="Markdown report (default docs/RELIABILITY.md)")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results kept between runs")
-    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k kill)")
-    a = ap.parse_args(argv)
+    a, pytest_args = ap.parse_known_args(argv)  # the rest goes to pytest (e.g. -k kill)
+    a.pytest_args = pytest_args
     previous = json.loads(Path(a.results).read_text()) if Path(a.results).exists() else []
     new = run_suite(a.slow, a.pytest_args)
     records = merge(previous, new)

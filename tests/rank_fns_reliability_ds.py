@@ -48,3 +48,28 @@ def rank_dies(rank, world, victim, at, mark):
         engine.backward(loss)
         engine.step()
     return "finished"
+
+
+def inf_in_shard_gradient(rank, world, bad_rank, at, steps=6):
+    """inf in rank ``bad_rank``'s shard gradient at step ``at`` (after backward, before step)."""
+    from embrace_fairseq.replica_check import check_replicas_agree, dense_digest
+
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    engine, model = _engine(dict(PIECES))
+    digest_before = None
+    for step in range(steps):
+        ids, tgt = _batch(step, rank)
+        loss = engine(ids, tgt)
+        engine.backward(loss)
+        if step == at:
+            digest_before = dense_digest(model)
+            if rank == bad_rank:
+                model.emb.weight.grad.view(-1)[0] = float("inf")
+        try:
+            engine.step()
+        except Exception as e:  # noqa: BLE001 - the type is part of the result
+            check_replicas_agree(model)
+            return {"step": step, "error": (type(e).__name__, str(e)), "unchanged": dense_digest(model) == digest_before,
+                    "table_finite": bool(torch.isfinite(model.emb.full_weight()).all())}
+    return {"step": None, "error": ("ok", ""), "unchanged": None, "table_finite": None}

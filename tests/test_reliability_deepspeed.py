@@ -22,6 +22,7 @@ from reliability_util import note  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # DeepSpeed start-up on 3 ranks: minutes on a loaded 2-core machine
 def test_ds_ranks_with_different_configs_stop_at_startup(record_property):
     """Ranks started with different "embrace" configs (DeepSpeed): error at start-up on every rank."""
     res = run_ranks(RD.mismatched_config, 3, 2, timeout_s=300, pg_timeout_s=120)
@@ -75,3 +76,17 @@ def test_ds_bad_ids_from_data_stop_every_rank(tmp_path, record_property):
     assert "InvalidIdError" in out and "is out of range for a table of" in out, out[-4000:]
     bad = [ln for ln in out.splitlines() if "is out of range for a table of" in ln][0]
     note(record_property, "DeepSpeed", f"embrace-ds-train x2 stops: `{bad.split('InvalidIdError: ')[-1][:110]}`", took)
+
+
+@pytest.mark.slow
+def test_ds_inf_in_one_rank_shard_gradient(record_property):
+    """inf in one rank's shard gradient on the DeepSpeed engine: every rank takes the same action."""
+    res = run_ranks(RD.inf_in_shard_gradient, 3, 1, 2, timeout_s=400, pg_timeout_s=120)
+    for r in res:
+        assert r["step"] == 2, res
+        kind, msg = r["error"]
+        assert kind == "NonFiniteGradientError" and "on rank 1" in msg, (kind, msg)
+        assert r["unchanged"] and r["table_finite"]
+    note(record_property, "DeepSpeed", "all 3 ranks stop at the same step with `NonFiniteGradientError: non-finite "
+                                       "(inf/NaN) gradient: emb.weight on rank 1`; no weight was updated, dense replicas "
+                                       "identical (fp16 skip-and-rescale not run on CPU)")
