@@ -12,7 +12,7 @@ right after that collective instead of hanging in the next one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ class ExchangePlan:
     recv_counts: List[int]  # how many ids each requester asks of this rank
     requested_local: torch.Tensor  # local rows requested of this rank, by requester
     ledgers: List[CommLedger]
+    # set by a table under the relaxed embedding dependency: its backward splits the rows
+    relaxed: Optional[Any] = None
+    table: Optional[Any] = None
 
 
 def validate_ids(ids: torch.Tensor, num_embeddings: int) -> Optional[int]:
@@ -208,7 +211,11 @@ class ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_unique: torch.Tensor):  # type: ignore[override]
-        grad = push_grad_rows(grad_unique, ctx.xp, ctx.shard_rows, ctx.scale, ctx.padding_local)
+        if ctx.xp.relaxed is not None:
+            grad = ctx.xp.relaxed.push_grad_rows(ctx.xp.table, grad_unique, ctx.xp, ctx.shard_rows, ctx.scale,
+                                                 ctx.padding_local)
+        else:
+            grad = push_grad_rows(grad_unique, ctx.xp, ctx.shard_rows, ctx.scale, ctx.padding_local)
         return grad, None, None, None
 
 

@@ -7,7 +7,7 @@ decision.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,3 +33,34 @@ def combine_norms(dense_norm: torch.Tensor, sharded_sq: torch.Tensor) -> torch.T
     """sqrt(dense^2 + sharded^2) in float32 (inf/nan propagate, as overflow checks need)."""
     dense = dense_norm.float().to(sharded_sq.device)
     return torch.sqrt(dense * dense + sharded_sq)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some rank holds an inf/NaN gradient; raised on every rank, naming where."""
+
+
+def nonfinite_gradients(
+    named_grads: Iterable[Tuple[str, Optional[torch.Tensor]]], group: Optional["dist.ProcessGroup"] = None
+) -> List[Tuple[str, int]]:
+    """(name, rank) of every gradient that is non-finite on some rank, the same list on
+    every rank. Collective when torch.distributed is initialised: every rank passes the
+    same names in the same order (a missing gradient counts as finite)."""
+    named = list(named_grads)
+    dist_on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if dist_on else 1
+    rank = dist.get_rank(group) if dist_on else 0
+    device = next((g.device for _, g in named if g is not None), torch.device("cpu"))
+    flags = torch.zeros(world, max(1, len(named)), dtype=torch.float32, device=device)
+    for i, (_, g) in enumerate(named):
+        if g is not None and not bool(torch.isfinite(g).all()):
+            flags[rank, i] = 1.0
+    if dist_on and world > 1:
+        dist.all_reduce(flags, group=group)
+    return [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
+
+
+def raise_if_nonfinite(bad: List[Tuple[str, int]], what: str = "gradient") -> None:
+    """Raise :class:`NonFiniteGradientError` naming every (name, rank) in ``bad``."""
+    if bad:
+        where = ", ".join(f"{name} on rank {r}" for name, r in bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise NonFiniteGradientError(f"non-finite (inf/NaN) {what}: {where}; every rank stops at this step")

@@ -45,6 +45,9 @@ def fairseq_initial_table(
 class ShardedEmbedding(nn.Module):
     """Vocab-sharded embedding table with AlltoAll lookups.
 
+    ``relaxed``: set by :class:`~embrace_fairseq.relaxed_embedding.RelaxedRows` when some
+    rows' updates may still be in flight; reads of the table wait for them as needed.
+
     Args:
         num_embeddings: rows of the full table (any size, any world size).
         embedding_dim: columns.
@@ -55,6 +58,8 @@ class ShardedEmbedding(nn.Module):
             ``1 / world_size``: the data-parallel average.
         ledger: an extra :class:`CommLedger` to record bytes into (the global one always is).
     """
+
+    relaxed = None  # RelaxedRows or None
 
     def __init__(
         self,
@@ -136,6 +141,9 @@ class ShardedEmbedding(nn.Module):
             return outs
         flat = torch.cat([ids.reshape(-1) for ids in ids_list]) if len(ids_list) > 1 else ids_list[0].reshape(-1)
         xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger)
+        if self.relaxed is not None:
+            self.relaxed.before_lookup(self, xp.requested_local)
+            xp.relaxed, xp.table = self.relaxed, self
         unique_rows = ShardedLookup.apply(self.weight, xp, self.grad_scale, self._padding_local)
         rows = unique_rows.index_select(0, xp.inverse)  # backward sums rows per unique id
         outs, offset = [], 0
@@ -159,6 +167,8 @@ class ShardedEmbedding(nn.Module):
         backward), for a tied output projection. Collective when sharded."""
         if not self.is_sharded:
             return self.weight
+        if self.relaxed is not None:
+            self.relaxed.before_full_read(self)
         return GatherTable.apply(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
 
     # ------------------------------------------------------------------ full table
@@ -166,6 +176,8 @@ class ShardedEmbedding(nn.Module):
         """The full ``(num_embeddings, embedding_dim)`` table on every rank. Collective."""
         if not self.is_sharded:
             return self.weight.detach().clone()
+        if self.relaxed is not None:
+            self.relaxed.before_full_read(self)
         return gather_full(self.weight, self.plan, self.group, self.rank, self.ledger)
 
     def gather_shard_state(self, shard_tensor: torch.Tensor) -> torch.Tensor:
@@ -173,6 +185,8 @@ class ShardedEmbedding(nn.Module):
         moment). Collective."""
         if not self.is_sharded:
             return shard_tensor.detach().clone()
+        if self.relaxed is not None:
+            self.relaxed.before_full_read(self)
         return gather_full(shard_tensor, self.plan, self.group, self.rank, self.ledger)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:

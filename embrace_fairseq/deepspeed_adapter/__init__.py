@@ -8,6 +8,11 @@ Entry point::
     loss = engine(batch); engine.backward(loss); engine.step()
     engine.embrace.summary()   # bytes by kind, hidden communication share (with "trace" set)
 
+Under ZeRO stage 1 (or ``"relaxed_embedding": true``) the table shards are kept out of
+DeepSpeed's optimizer (``model_parameters`` is filtered; a client optimizer instance has
+them removed from its param groups) and stepped by ``engine.embrace.shard_optimizer``
+with the same rule and the live hyper-parameters of DeepSpeed's optimizer.
+
 ``initialize`` takes the arguments of ``deepspeed.initialize`` and returns what it
 returns. The DeepSpeed config may hold an ``"embrace"`` section (see
 :class:`EmbraceConfig`); it is validated and removed before DeepSpeed sees the config.
@@ -17,10 +22,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+
+import torch
 from typing import Any, Mapping, Optional, Union
 
 from .config import EmbraceConfig, EmbraceConfigError, check_supported, parse_embrace_config, split_config
-from .engine_hook import EmbraceEngineHook, attach, shards_kept_out_of_broadcast
+from .engine_hook import (
+    EmbraceEngineHook,
+    attach,
+    shards_kept_out_of_broadcast,
+    strip_shards_from_optimizer,
+    uses_shard_optimizer,
+    without_shards,
+)
 
 __all__ = [
     "EmbraceConfig",
@@ -55,11 +69,20 @@ def initialize(
         args.deepspeed_config = None  # DeepSpeed refuses a config given twice
     ds_config, embrace = split_config(config)
     if ds_config is not None:
-        check_supported(ds_config)
+        check_supported(ds_config, embrace)
+    shard_groups = None
+    stage = int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+    if uses_shard_optimizer(stage, embrace):
+        # DeepSpeed's optimizer gets the dense parameters only; the hook steps the shards
+        params = kwargs.get("model_parameters")
+        kwargs["model_parameters"] = without_shards(model.parameters() if params is None else params)
+        client = kwargs.get("optimizer")
+        if isinstance(client, torch.optim.Optimizer):
+            shard_groups = strip_shards_from_optimizer(client)
     with shards_kept_out_of_broadcast():
         out = deepspeed.initialize(model=model, config=ds_config, args=args, **kwargs)
     engine = out[0]
-    engine.embrace = attach(engine, embrace)
+    engine.embrace = attach(engine, embrace, shard_groups)
     from ..startup_guard import guard  # peer watchdog; the same schedule and dense weights on every rank
     guard(engine.module, engine.embrace.schedule)
     return out

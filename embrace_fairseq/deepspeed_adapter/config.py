@@ -29,8 +29,10 @@ class EmbraceConfig:
     max_in_flight: collectives outstanding at once (credit).
     bucket_bytes: size of the flat buffers gradients are grouped into.
     trace: ``None`` or a path prefix: write ``<prefix>.rank<N>.json`` Chrome traces.
-    relaxed_embedding: finish embedding rows the next batch does not read during the
-        next forward. Not implemented: ``true`` is refused at start-up.
+    relaxed_embedding: update the embedding rows the next batch reads at the step and
+        finish the others (gradient exchange and update) while the next forward runs.
+        Give the next batch with ``engine.embrace.next_batch(...)``. Not with gradient
+        clipping, fp16/bf16 or gradient accumulation (refused at start-up).
     """
 
     model_level: bool = True
@@ -66,10 +68,6 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
         if key == "trace" and value is not None and (not isinstance(value, str) or not value):
             raise EmbraceConfigError(f"{where} must be null or a non-empty path prefix, got {value!r}")
         values[key] = value
-    if values.get("relaxed_embedding"):
-        raise EmbraceConfigError(
-            f'"{SECTION}.relaxed_embedding": the relaxed embedding dependency is not implemented; set it to false'
-        )
     return EmbraceConfig(**values)
 
 
@@ -86,22 +84,34 @@ def split_config(config: Union[None, str, Mapping[str, Any]]) -> Tuple[Optional[
     return ds, parse_embrace_config(ds.pop(SECTION, None))
 
 
-def check_supported(ds: Mapping[str, Any]) -> None:
+def check_supported(ds: Mapping[str, Any], embrace: Optional[EmbraceConfig] = None) -> None:
     """Refuse, before DeepSpeed starts, the combinations the hook cannot run correctly."""
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
-    if stage != 0:
+    if stage not in (0, 1):
         raise EmbraceConfigError(
-            f'"zero_optimization.stage": {stage} is not supported with sharded embedding tables: ZeRO '
-            "partitions every parameter of its optimizer over the ranks, and a table shard differs per rank "
-            "(its rows are already partitioned). Use stage 0; the shards' optimizer state is already 1/N per rank."
+            f'"zero_optimization.stage": {stage} is not supported with sharded embedding tables: stages 2 and 3 '
+            "partition gradients and parameters with hooks of their own. Use stage 0 or 1 (under stage 1 "
+            "DeepSpeed partitions the dense optimizer state; the shards' state is already 1/N per rank)."
         )
-    if (ds.get("bf16") or {}).get("enabled", False):
+    if (ds.get("bf16") or {}).get("enabled", False) and stage == 0:
         raise EmbraceConfigError(
-            '"bf16.enabled": DeepSpeed\'s bf16 optimizer copies gradients into its own fp32 buffers at the end '
-            "of backward, before the scheduled all-reduce completes; bf16 is not supported by the hook yet"
+            '"bf16.enabled" with "zero_optimization.stage": 0: DeepSpeed\'s stage-0 bf16 optimizer copies '
+            "gradients into its own fp32 buffers at the end of backward, before the scheduled all-reduce "
+            "completes; use bf16 with stage 1"
         )
-    if (ds.get("fp16") or {}).get("enabled", False) and float(ds.get("gradient_clipping", 0.0) or 0.0) > 0:
+    if embrace is not None and embrace.relaxed_embedding:
+        relaxed = f'"{SECTION}.relaxed_embedding": true'
+        if float(ds.get("gradient_clipping", 0.0) or 0.0) > 0:
+            raise EmbraceConfigError(f'{relaxed} with "gradient_clipping" > 0: the global gradient norm needs every row\'s '
+                                     "gradient at the step, which the relaxed dependency delivers later; disable one of them")
+        for key in ("fp16", "bf16"):
+            if (ds.get(key) or {}).get("enabled", False):
+                raise EmbraceConfigError(f'{relaxed} with "{key}.enabled": the overflow check needs every row\'s gradient '
+                                         "at the step; use fp32 or disable the relaxed dependency")
+        if int(ds.get("gradient_accumulation_steps", 1) or 1) > 1:
+            raise EmbraceConfigError(f'{relaxed} with "gradient_accumulation_steps" > 1 is not supported')
+    if stage == 0 and (ds.get("fp16") or {}).get("enabled", False) and float(ds.get("gradient_clipping", 0.0) or 0.0) > 0:
         raise EmbraceConfigError(
-            '"gradient_clipping" with "fp16.enabled": DeepSpeed\'s fp16 optimizer takes the gradient norm '
+            '"gradient_clipping" with "fp16.enabled" at ZeRO stage 0: DeepSpeed\'s fp16 optimizer takes the gradient norm '
             "per rank, which would miss the other ranks' table shards; disable one of them"
         )

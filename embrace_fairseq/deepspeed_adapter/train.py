@@ -7,13 +7,28 @@ fairseq's epoch iterator sharded by rank; steps with the engine from
 fairseq's format (``cfg``, full-table ``model``, ...) so ``fairseq-generate --user-dir
 user_dir`` reads them. Launch with ``deepspeed --num_gpus N`` or ``torchrun``.
 
-The optimizer and learning-rate schedule come from the DeepSpeed config ("optimizer",
-"scheduler"); fairseq's --optimizer/--lr-scheduler flags are not used. Each rank's loss
-is the criterion's loss divided by its sample size (tokens), averaged over ranks by the
-engine: a per-rank mean, where fairseq's trainer normalises by the global token count.
+Optimizer and learning-rate schedule: the DeepSpeed config's "optimizer"/"scheduler"
+when present; otherwise fairseq's flags are mapped (:mod:`.fairseq_options`: --optimizer
+adam/sgd, --lr, --adam-betas, --adam-eps, --weight-decay, --momentum, --lr-scheduler
+inverse_sqrt/fixed, --warmup-updates, --warmup-init-lr, --clip-norm). A flag given
+explicitly that disagrees with the JSON stops start-up. Each rank's loss is the
+criterion's loss divided by its sample size (tokens), averaged over ranks by the engine:
+a per-rank mean, where fairseq's trainer normalises by the global token count.
+
+Validation on ``--valid-subset`` every ``--validate-interval-updates`` updates and at
+each epoch end (unless ``--disable-validation``): the summed loss over all ranks divided
+by the summed sample size, in bits, logged as ``valid | epoch E | update U | loss L``.
+Checkpoints (:mod:`.checkpoint`): ``checkpoint_last.pt`` at every
+``--save-interval-updates`` and epoch end, ``checkpoint_best.pt`` on a new best valid
+loss, ``checkpoint{epoch}.pt`` at epoch ends; resumed from ``--restore-file`` (default
+``checkpoint_last.pt`` in ``--save-dir``) with the optimizer, LR schedule, step count,
+iterator position and RNG state, so a resumed run repeats the uninterrupted run's
+losses exactly on CPU. Each update seeds torch's RNG with ``seed + update`` as fairseq's
+trainer does.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -77,40 +92,48 @@ def _epoch_iterator(task: Any, cfg: Any, model: torch.nn.Module, rank: int, worl
     )
 
 
-def save_checkpoint(path: str, cfg: Any, model: torch.nn.Module, criterion: Any, epoch: int, num_updates: int) -> None:
-    """fairseq's checkpoint layout with full tables. Collective (gathers the tables);
-    rank 0 writes."""
-    from fairseq.file_io import PathManager
-    from omegaconf import OmegaConf
+def _is_empty(sample: Any) -> bool:
+    return not sample or "net_input" not in sample
 
-    from embrace_fairseq.sharded_embedding import consolidate
 
-    consolidate(model)
-    state = model.state_dict()
-    if dist.get_rank() == 0:
-        ckpt = {
-            # a plain container, as fairseq's trainer saves it (loadable with weights_only)
-            "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg,
-            "args": None,
-            "model": {k: v.detach().cpu() for k, v in state.items()},
-            "criterion": None,
-            "optimizer_history": [{
-                "criterion_name": criterion.__class__.__name__,
-                "optimizer_name": "DeepSpeedEngine",
-                "lr_scheduler_state": {},
-                "num_updates": num_updates,
-            }],
-            "task_state": {},
-            "extra_state": {"train_iterator": {"epoch": epoch}, "metrics": {}},
-            "last_optimizer_state": None,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with PathManager.open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-        os.replace(tmp, path)
-        logger.info("saved %s (epoch %d, %d updates)", path, epoch, num_updates)
-    dist.barrier()
+@torch.no_grad()
+def validate(engine: Any, task: Any, criterion: Any, cfg: Any, model: torch.nn.Module, device: torch.device,
+             rank: int, world: int, dummy: Any) -> float:
+    """Valid loss in bits over the whole valid subset (all ranks). Collective: a rank with
+    fewer (or no) batches runs ``dummy`` (a training batch) with weight zero, so every
+    rank takes part in every lookup."""
+    from fairseq import utils
+
+    subset = cfg.dataset.valid_subset.split(",")[0]
+    itr = task.get_batch_iterator(
+        dataset=task.dataset(subset),
+        max_tokens=cfg.dataset.max_tokens_valid,
+        max_sentences=cfg.dataset.batch_size_valid,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=world,
+        shard_id=rank,
+        num_workers=0,
+        epoch=1,
+    ).next_epoch_itr(shuffle=False)
+    batches = [s for s in itr if not _is_empty(s)]
+    count = torch.tensor([len(batches)], dtype=torch.long)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    engine.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    try:
+        for i in range(int(count)):
+            real = i < len(batches)
+            sample = _move(batches[i], device) if real else dummy
+            loss, sample_size, _ = criterion(engine, sample)  # the lookups are collectives: every rank runs them
+            if real:
+                totals += torch.tensor([float(loss), float(sample_size)], dtype=torch.float64)
+    finally:
+        engine.train()
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1].clamp_min(1.0) / math.log(2))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -119,12 +142,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from embrace_fairseq.deepspeed_adapter import initialize  # absolute: also runs as a script (deepspeed launcher)
+    # absolute imports: this file also runs as a script (deepspeed launcher)
+    from embrace_fairseq.deepspeed_adapter import initialize
+    from embrace_fairseq.deepspeed_adapter.checkpoint import load_checkpoint, restore_path, save_checkpoint
+    from embrace_fairseq.deepspeed_adapter.config import split_config
+    from embrace_fairseq.deepspeed_adapter.fairseq_options import apply_fairseq_options
 
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = options.parse_args_and_arch(get_parser(), input_args=argv)
     cpu = bool(args.cpu) or not torch.cuda.is_available()
     if cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # the config is checked (and fairseq's flags mapped into it) before any rank starts DeepSpeed
+    with open(args.deepspeed_config) as f:
+        raw = json.load(f)
+    section = raw.pop("embrace", None) if isinstance(raw, dict) else None
+    split_config({"embrace": section})  # a bad section stops here, before any rank starts
+    ds_config, make_optimizer, make_scheduler = apply_fairseq_options(raw, args, raw_argv, cpu)
+    if section is not None:
+        ds_config["embrace"] = section
     _init_distributed(cpu)
     rank, world = dist.get_rank(), dist.get_world_size()
     # fairseq's parser saw no world size: record the real one so the saved cfg is truthful
@@ -138,25 +174,76 @@ def main(argv: Optional[List[str]] = None) -> None:
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     model.to(device)
     criterion.to(device)
+    kwargs: Dict[str, Any] = {}
+    if make_optimizer is not None:
+        kwargs["optimizer"] = make_optimizer
+    if make_scheduler is not None:
+        kwargs["lr_scheduler"] = make_scheduler
     engine, *_ = initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=args.deepspeed_config
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config, **kwargs
     )
     logger.info("rank %d/%d: %s, %d parameters on this rank", rank, world, cfg.model._name,
                 sum(p.numel() for p in model.parameters()))
 
     task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
+    validating = not cfg.dataset.disable_validation
+    if validating:
+        for subset in cfg.dataset.valid_subset.split(",")[:1]:
+            task.load_dataset(subset, combine=False, epoch=1)
     max_epoch = cfg.optimization.max_epoch or math.inf
     max_update = cfg.optimization.max_update or math.inf
     save_dir = cfg.checkpoint.save_dir
-    num_updates, epoch, last_sample = 0, 1, None
+    save_updates = cfg.checkpoint.save_interval_updates or 0
+    valid_updates = cfg.dataset.validate_interval_updates or 0
     epoch_itr = _epoch_iterator(task, cfg, model, rank, world, 1)
+    extra: Dict[str, Any] = {"best_loss": None}
+    path = restore_path(cfg)
+    if path is not None:
+        extra = load_checkpoint(path, engine, model, epoch_itr, cfg)
+        logger.info("rank %d: resumed from %s at update %d (epoch %d, %d batches in)", rank, path,
+                    engine.global_steps, epoch_itr.epoch, epoch_itr.iterations_in_epoch)
+    num_updates = engine.global_steps
+    last_sample = None
     start = time.time()
-    while epoch <= max_epoch and num_updates < max_update:
+
+    peeked = [False]
+
+    def checkpoint(name: str, val_loss: Optional[float] = None) -> None:
+        extra["val_loss"] = val_loss
+        itr_state = epoch_itr.state_dict()
+        if peeked[0]:
+            itr_state["iterations_in_epoch"] -= 1
+        save_checkpoint(os.path.join(save_dir, name), cfg, engine, model, criterion, epoch_itr, extra, itr_state)
+
+    def validate_and_save(end_of_epoch: bool) -> None:
+        val = None
+        if validating:
+            val = validate(engine, task, criterion, cfg, model, device, rank, world, last_sample)
+            if rank == 0:
+                logger.info("valid | epoch %d | update %d | loss %.4f", epoch_itr.epoch, num_updates, val)
+        if cfg.checkpoint.no_save:
+            return
+        if end_of_epoch and epoch_itr.epoch % max(1, cfg.checkpoint.save_interval) == 0 and not cfg.checkpoint.no_epoch_checkpoints:
+            checkpoint(f"checkpoint{epoch_itr.epoch}.pt", val)
+        if val is not None and (extra.get("best_loss") is None or val < extra["best_loss"]):
+            extra["best_loss"] = val
+            checkpoint("checkpoint_best.pt", val)
+        checkpoint("checkpoint_last.pt", val)
+
+    while epoch_itr.next_epoch_idx <= max_epoch and num_updates < max_update:
         # every rank gets the same number of batches (short shards are padded with
         # empty ones), so every rank takes part in every collective
         itr = epoch_itr.next_epoch_itr(shuffle=True)
-        for sample in itr:
-            empty = not sample
+        epoch = epoch_itr.epoch
+        relaxed = engine.embrace.relaxed is not None
+        upcoming = next(itr, None) if itr.has_next() else None
+        while upcoming is not None:
+            sample = upcoming
+            # the relaxed embedding dependency is told the next batch: a lookahead of one
+            # (checkpoints then record one batch less as consumed)
+            upcoming = next(itr, None) if relaxed and itr.has_next() else None
+            peeked[0] = upcoming is not None
+            empty = _is_empty(sample)
             if empty:
                 if last_sample is None:
                     raise RuntimeError("the first batch of a shard is empty: use a larger training set or fewer ranks")
@@ -164,7 +251,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             sample = _move(sample, device)
             last_sample = sample
             engine.train()
+            utils.set_torch_seed(cfg.common.seed + num_updates)  # as fairseq's trainer: dropout per update
             loss, sample_size, log = criterion(engine, sample)
+            if relaxed:
+                engine.embrace.next_batch(None if upcoming is None or _is_empty(upcoming) else upcoming)
             loss = loss / max(sample_size, 1)
             if empty:
                 loss = loss * 0.0  # takes part in the collectives, contributes nothing
@@ -172,16 +262,20 @@ def main(argv: Optional[List[str]] = None) -> None:
             engine.step()
             num_updates = engine.global_steps
             if rank == 0 and cfg.common.log_interval and num_updates % cfg.common.log_interval == 0:
-                logger.info("epoch %d | update %d | loss %.4f | %.1f s", epoch, num_updates,
-                            float(loss.detach()) / math.log(2), time.time() - start)
-            if num_updates >= max_update:
+                logger.info("epoch %d | update %d | loss %r | lr %r | %.1f s", epoch, num_updates,
+                            float(loss.detach()) / math.log(2), engine.get_lr()[0], time.time() - start)
+            stop = num_updates >= max_update
+            at_end = not itr.has_next() and upcoming is None
+            if not at_end and ((save_updates and num_updates % save_updates == 0) or
+                               (valid_updates and num_updates % valid_updates == 0) or stop):
+                validate_and_save(False)
+            if stop:
                 break
-        if not cfg.checkpoint.no_save and epoch % max(1, cfg.checkpoint.save_interval) == 0:
-            save_checkpoint(os.path.join(save_dir, f"checkpoint{epoch}.pt"), cfg, model, criterion, epoch, num_updates)
-        epoch += 1
-        epoch_itr = _epoch_iterator(task, cfg, model, rank, world, epoch)
-    if not cfg.checkpoint.no_save:
-        save_checkpoint(os.path.join(save_dir, "checkpoint_last.pt"), cfg, model, criterion, epoch - 1, num_updates)
+            if not relaxed:
+                upcoming = next(itr, None) if itr.has_next() else None
+        peeked[0] = False
+        if epoch_itr.end_of_epoch():
+            validate_and_save(True)
     hook = engine.embrace
     if rank == 0:
         logger.info("done: %d updates in %.1f s", num_updates, time.time() - start)

@@ -1,0 +1,184 @@
+"""Checkpoints of ``embrace-ds-train``: fairseq's layout, written atomically, resumable.
+
+What a checkpoint holds (fairseq's keys, so ``fairseq-generate``/``fairseq-eval-lm
+--user-dir user_dir`` read it):
+
+* ``model``: dense weights and *full* embedding tables (gathered from every rank);
+* ``last_optimizer_state``: ``shards`` (the shard optimizer's state as full tables, when
+  shards are stepped outside DeepSpeed), ``dense`` (DeepSpeed's optimizer state when it
+  is a plain torch optimizer: the same on every rank, sharded tables' moments gathered
+  to full tables) or ``dense_per_rank`` (anything else, e.g. ZeRO's partitioned state:
+  one serialized blob per rank; resuming it needs the same world size);
+* ``optimizer_history[-1]``: ``num_updates`` and the LR scheduler state;
+* ``extra_state``: fairseq's ``train_iterator`` (epoch and batches consumed), ``val_loss``,
+  ``best``, and ``embrace_ds``: DeepSpeed's step counters and each rank's RNG state.
+
+Resume-only state that is not plain tensors travels as ``torch.save`` bytes, so the
+file stays loadable with ``weights_only=True``. Writing: rank 0 writes a temporary file,
+fsyncs it and renames it over the target (``os.replace``), so a crash leaves the previous
+checkpoint intact. Saving and loading are collectives (tables are gathered; every rank
+reads the file and keeps its own rows).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..optimizer_state import gather_sharded_state, to_local_state, with_full_state
+from ..sharded_embedding import consolidate
+
+logger = logging.getLogger(__name__)
+
+
+def _blob(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unblob(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _gather_objects(obj: Any) -> List[Any]:
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _plain_torch_optimizer(opt: Any) -> bool:
+    return type(opt).__module__.startswith("torch.optim")
+
+
+def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, criterion: Any, epoch_itr: Any,
+                    extra: Dict[str, Any], iterator_state: Optional[Dict[str, Any]] = None) -> None:
+    """Write ``path`` (rank 0) from the state of every rank. Collective. ``iterator_state``
+    overrides ``epoch_itr.state_dict()`` (a caller that has read ahead)."""
+    from omegaconf import OmegaConf
+
+    hook = engine.embrace
+    consolidate(model)
+    state = model.state_dict()
+    shard_state = hook.shard_optimizer.full_state_dict() if hook.shard_optimizer is not None else None
+    opt = engine.optimizer
+    dense = dense_per_rank = None
+    if _plain_torch_optimizer(opt):
+        dense = with_full_state(opt.state_dict(), gather_sharded_state(opt))
+    else:
+        dense_per_rank = _gather_objects(_blob(opt.state_dict()))
+    rng = _gather_objects(_blob(_rng_state()))
+    sched = engine.lr_scheduler
+    if dist.get_rank() == 0:
+        ckpt = {
+            # a plain container, as fairseq's trainer saves it (loadable with weights_only)
+            "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg,
+            "args": None,
+            "model": {k: v.detach().cpu() for k, v in state.items()},
+            "criterion": None,
+            "optimizer_history": [{
+                "criterion_name": criterion.__class__.__name__,
+                "optimizer_name": "DeepSpeedEngine",
+                "lr_scheduler_state": {"embrace_ds": _blob(sched.state_dict())} if sched is not None else {},
+                "num_updates": int(engine.global_steps),
+            }],
+            "task_state": {},
+            "extra_state": {
+                "train_iterator": iterator_state if iterator_state is not None else epoch_itr.state_dict(),
+                "val_loss": extra.get("val_loss"),
+                "best": extra.get("best_loss"),
+                "metrics": {},
+                "embrace_ds": {
+                    "world_size": dist.get_world_size(),
+                    "global_steps": int(engine.global_steps),
+                    "global_samples": int(engine.global_samples),
+                    "skipped_steps": int(engine.skipped_steps),
+                    "rng_per_rank": rng,
+                },
+            },
+            "last_optimizer_state": {"shards": shard_state, "dense": dense, "dense_per_rank": dense_per_rank},
+        }
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a crash
+        finally:
+            os.close(dir_fd)
+        logger.info("saved %s (epoch %d, %d updates)", path, epoch_itr.epoch, engine.global_steps)
+    dist.barrier()
+
+
+def restore_path(cfg: Any) -> Optional[str]:
+    """The checkpoint to resume from: ``--restore-file`` (relative to ``--save-dir`` when it
+    is the default name), or None when it does not exist (a fresh start)."""
+    name = cfg.checkpoint.restore_file
+    path = os.path.join(cfg.checkpoint.save_dir, name) if name == "checkpoint_last.pt" else name
+    if os.path.exists(path):
+        return path
+    if name != "checkpoint_last.pt":
+        raise FileNotFoundError(f"--restore-file {path} does not exist")
+    return None
+
+
+def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, epoch_itr: Any, cfg: Any) -> Dict[str, Any]:
+    """Restore weights, optimizer, LR schedule, counters, iterator position and RNG. Every
+    rank reads the file and keeps its rows. Returns the launcher's extra state."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(ckpt["model"], strict=True)
+    extra = ckpt.get("extra_state") or {}
+    ds = extra.get("embrace_ds") or {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hook = engine.embrace
+    if not cfg.checkpoint.reset_optimizer:
+        opt_state = ckpt.get("last_optimizer_state") or {}
+        if opt_state.get("dense") is not None:
+            engine.optimizer.load_state_dict(to_local_state(opt_state["dense"], engine.optimizer))
+        elif opt_state.get("dense_per_rank") is not None:
+            blobs = opt_state["dense_per_rank"]
+            if len(blobs) != world:
+                raise ValueError(f"{path}: DeepSpeed's optimizer state was saved by {len(blobs)} ranks (ZeRO partitions it); "
+                                 f"resume with {len(blobs)} ranks or pass --reset-optimizer")
+            engine.optimizer.load_state_dict(_unblob(blobs[rank]))
+        if hook.shard_optimizer is not None and opt_state.get("shards") is not None:
+            hook.shard_optimizer.load_full_state_dict(opt_state["shards"])
+        sched = ckpt["optimizer_history"][-1].get("lr_scheduler_state") or {}
+        if engine.lr_scheduler is not None and not cfg.checkpoint.reset_lr_scheduler and "embrace_ds" in sched:
+            engine.lr_scheduler.load_state_dict(_unblob(sched["embrace_ds"]))
+    if not cfg.checkpoint.reset_dataloader and "train_iterator" in extra:
+        epoch_itr.load_state_dict(extra["train_iterator"])
+    engine.global_steps = int(ds.get("global_steps", ckpt["optimizer_history"][-1]["num_updates"]))
+    engine.global_samples = int(ds.get("global_samples", 0))
+    engine.skipped_steps = int(ds.get("skipped_steps", 0))
+    rng = ds.get("rng_per_rank")
+    if rng is not None and len(rng) == world:
+        _set_rng_state(_unblob(rng[rank]))
+    dist.barrier()
+    return {"best_loss": extra.get("best"), "val_loss": extra.get("val_loss")}
