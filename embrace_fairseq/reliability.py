@@ -147,7 +147,7 @@ def markdown(records: List[Dict[str, Any]]) -> str:
 _MECHANISMS = """## What makes these pass
 
 * **Peer watchdog** (`embrace_fairseq/watchdog.py`): each rank writes a heartbeat into the
-  rendezvous store every second (at most a fifth of the timeout) and watches the others.
+  rendezvous store every second (or every fifth of the timeout, if shorter) and watches the others.
   A peer whose heartbeat stops for `EMBRACE_PEER_TIMEOUT_S` seconds (default 60; 0 turns it
   off), whose process is gone (same host: seen within one period), which failed while this
   rank still runs, or a store that cannot be reached for the timeout: the rank prints
@@ -193,8 +193,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--results", default=str(RESULTS), help="JSON results kept between runs")
     a, pytest_args = ap.parse_known_args(argv)  # the rest goes to pytest (e.g. -k kill)
     a.pytest_args = pytest_args
-    previous = json.loads(Path(a.results).read_text()) if Path(a.results).exists() else []
     new = run_suite(a.slow, a.pytest_args)
+    # read the kept results only now: another run may have written them meanwhile
+    previous = json.loads(Path(a.results).read_text()) if Path(a.results).exists() else []
     records = merge(previous, new)
     Path(a.results).parent.mkdir(parents=True, exist_ok=True)
     Path(a.results).write_text(json.dumps(records, indent=1) + "\n")

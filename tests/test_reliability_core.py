@@ -167,7 +167,9 @@ def _run_rank_dies(world, victim, how, timeout_s, tmp_path):
 ])
 def test_rank_dies_others_exit_naming_it(victim, how, expect, tmp_path, record_property):
     """A rank SIGKILLed mid-step (or hung: SIGSTOP), no launcher: the others exit non-zero in bounded time."""
-    timeout_s = 3
+    # the heartbeat timeout is generous (a loaded machine must not look hung); a killed
+    # process on this host is seen within one check period whatever the timeout
+    timeout_s = 20 if how == "kill" else 8
     world = 3
     ended, killed_at, rcs, victim_rc, logs, pids = _run_rank_dies(world, victim, how, timeout_s, tmp_path)
     assert killed_at is not None, logs
@@ -188,7 +190,7 @@ def test_rank_dies_others_exit_naming_it(victim, how, expect, tmp_path, record_p
 @pytest.mark.slow
 def test_store_host_dies(tmp_path, record_property):
     """Rank 0, host of the tcp:// rendezvous store, SIGKILLed: the others exit within the timeout."""
-    timeout_s = 4
+    timeout_s = 8
     ended, killed_at, rcs, victim_rc, logs, pids = _run_rank_dies(3, 0, "kill", timeout_s, tmp_path)
     for r, rc in rcs.items():
         assert rc == LOST_PEER_EXIT_CODE, (r, rc, logs[r][-2000:])

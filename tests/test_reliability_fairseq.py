@@ -260,7 +260,7 @@ def _direct_ranks(args, world, tmp_path, timeout_s):
 @pytest.mark.slow
 def test_rank_killed_in_fairseq_train_without_launcher(corpus, tmp_path, record_property):
     """A rank SIGKILLed mid-training, fairseq-train processes without torchrun: the others exit, naming it."""
-    timeout_s = 5
+    timeout_s = 20  # a killed process on this host is seen within a second whatever the timeout
     args = [str(corpus), "--task", "translation", *TINY, "--max-update", "100000",
             "--save-dir", str(tmp_path / "ckpt"), "--disable-validation", "--no-save"]
     procs, logs = _direct_ranks(args, 3, tmp_path, timeout_s)
@@ -285,7 +285,7 @@ def test_rank_killed_in_fairseq_train_without_launcher(corpus, tmp_path, record_
         assert procs[r].returncode == LOST_PEER_EXIT_CODE, (r, procs[r].returncode, texts[r][-3000:])
         assert "rank 2 lost" in texts[r], texts[r][-3000:]
     detect = max(ended.values()) - killed_at
-    assert detect < timeout_s + 10
+    assert detect < 12
     assert not leftover_processes([p.pid for p in procs])
     note(record_property, "fairseq", f"ranks 0, 1 exit {LOST_PEER_EXIT_CODE} with `rank 2 lost: its process ... is gone`; "
                                      "no process left", detect)
