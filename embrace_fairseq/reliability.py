@@ -122,8 +122,10 @@ def markdown(records: List[Dict[str, Any]]) -> str:
         "```",
         "",
         f"{passed} of {len(records)} scenarios pass. *Detect* is the time from the fault to the last",
-        "rank reacting (exit, error), where the test measures it; *s* is the test's own wall time on",
-        f"a 2-core CPU machine shared with other jobs ({platform.python_version()}, {platform.machine()}).",
+        "rank reacting (exit or error), where the test measures it; for bad input found at start-up",
+        "or in the first batch it is the whole run until the error, process start included. *s* is",
+        "the test's own wall time, on a 2-core CPU machine shared with other jobs (load average",
+        f"10-20 during these runs; Python {platform.python_version()}, {platform.machine()}).",
         "",
     ]
     current = None
@@ -182,7 +184,11 @@ _LIMITS = """## Limits
 * A stall longer than `EMBRACE_PEER_TIMEOUT_S` in which a rank's Python threads cannot run
   (e.g. a single C call holding the GIL that long) would be taken for a hang.
 * Checkpoint files written by other tools have no sidecar: those are only checked for
-  truncation (torch's reader), not for flipped bits.
+  truncation (torch's reader), not for flipped bits. This includes `embrace-ds-train`'s own
+  checkpoints (atomic, but without a sidecar). Copying another file over a checkpoint by
+  hand leaves its old `.sha256` behind, and loading then refuses it: delete the sidecar too.
+* The watchdog does not replace the collective timeouts: a rank that is alive and beating
+  but never reaches a collective (a bug, not a fault) still waits for gloo's timeout.
 """
 
 
@@ -191,9 +197,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--slow", action="store_true", help="run every scenario, soak included")
     ap.add_argument("--out", default=str(DOC), help="Markdown report (default docs/RELIABILITY.md)")
     ap.add_argument("--results", default=str(RESULTS), help="JSON results kept between runs")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the Markdown from the kept results")
     a, pytest_args = ap.parse_known_args(argv)  # the rest goes to pytest (e.g. -k kill)
     a.pytest_args = pytest_args
-    new = run_suite(a.slow, a.pytest_args)
+    new = [] if a.report_only else run_suite(a.slow, a.pytest_args)
     # read the kept results only now: another run may have written them meanwhile
     previous = json.loads(Path(a.results).read_text()) if Path(a.results).exists() else []
     records = merge(previous, new)

@@ -56,7 +56,7 @@ def test_ds_rank_dies_others_exit_naming_it(tmp_path, record_property):
 @pytest.mark.slow
 def test_ds_bad_ids_from_data_stop_every_rank(tmp_path, record_property):
     """Bad input on embrace-ds-train: a dictionary that does not match the binarised data."""
-    data = make_translation_corpus(tmp_path / "corpus", vocab_size=51, n_train=120)
+    data = make_translation_corpus(tmp_path / "corpus", vocab_size=51, n_train=120, timeout=900)
     lines = (data / "dict.src.txt").read_text().splitlines(keepends=True)
     (data / "dict.src.txt").write_text("".join(lines[:-12]))
     shutil.copy(data / "dict.src.txt", data / "dict.tgt.txt")
@@ -121,7 +121,7 @@ def _losses(text):
 
 @pytest.fixture(scope="module")
 def lm_data(tmp_path_factory):
-    return make_lm_corpus(tmp_path_factory.mktemp("ds_lm"), n_train=200)
+    return make_lm_corpus(tmp_path_factory.mktemp("ds_lm"), n_train=200, timeout=900)
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return make_translation_corpus(tmp_path_factory.mktemp("rel_mt"), vocab_size=51, n_train=240, n_valid=24)
+    return make_translation_corpus(tmp_path_factory.mktemp("rel_mt"), vocab_size=51, n_train=240, n_valid=24,
+                                   timeout=900)  # fairseq-preprocess: minutes on a loaded machine
 
 
 def _copy_data(corpus: Path, dest: Path) -> Path:
