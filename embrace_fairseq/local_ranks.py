@@ -26,6 +26,8 @@ class RanksFailed(RuntimeError):
 def _rank_main(fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs):  # pragma: no cover - child
     import torch.distributed as dist
 
+    from . import watchdog
+
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -35,9 +37,14 @@ def _rank_main(fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs
             world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
+        # a peer that dies or hangs stops this rank too (EMBRACE_PEER_TIMEOUT_S)
+        watchdog.install(on_lost=lambda msg: _report_lost(rank, result_q, msg))
         out = fn(rank, world, *args, **kwargs)
+        watchdog.stop(ok=True)
         result_q.put((rank, True, out))
     except BaseException as exc:  # report everything, including KeyboardInterrupt
+        watchdog.await_verdict(exc)  # a peer gone: let the watchdog name it
+        watchdog.stop(ok=False, reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         result_q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
@@ -45,6 +52,17 @@ def _rank_main(fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _report_lost(rank, result_q, message):  # pragma: no cover - child, watchdog thread
+    from . import watchdog
+
+    try:
+        result_q.put((rank, False, f"PeerLost: {message}"))
+        result_q.close()
+        result_q.join_thread()
+    finally:
+        watchdog.exit_lost(message)
 
 
 def run_ranks(
@@ -94,21 +112,35 @@ def run_ranks(
             for p in procs:
                 p.join(timeout=5)
             for p in procs:
-                if p.is_alive():
+                p._embrace_killed = p.is_alive()
+                if p._embrace_killed:
                     p.kill()
                     p.join()
     missing = [r for r in range(world_size) if r not in results]
     errors = {r: out for r, (ok, out) in results.items() if not ok}
     if return_errors:
         return [
-            RanksFailed(results[r][1]) if r in errors else (results[r][1] if r in results else RanksFailed("no result (timeout or crash)"))
+            RanksFailed(results[r][1]) if r in errors else (results[r][1] if r in results else RanksFailed(_no_result(procs[r], timeout_s)))
             for r in range(world_size)
         ]
     if errors or missing:
         lines = [f"rank {r}: {msg}" for r, msg in sorted(errors.items())]
-        lines += [f"rank {r}: no result within {timeout_s:.0f}s (hung or crashed)" for r in missing]
+        lines += [f"rank {r}: {_no_result(procs[r], timeout_s)}" for r in missing]
         raise RanksFailed("\n".join(lines))
     return [results[r][1] for r in range(world_size)]
+
+
+def _no_result(proc: Any, timeout_s: float) -> str:
+    from .watchdog import LOST_PEER_EXIT_CODE
+
+    code = proc.exitcode
+    if code is None or code == -9 and proc._embrace_killed:
+        return f"no result within {timeout_s:.0f}s (hung; killed)"
+    if code == LOST_PEER_EXIT_CODE:
+        return f"stopped by its watchdog (exit {code}): a peer was lost, see the log"
+    if code < 0:
+        return f"died from signal {-code} without a result"
+    return f"exited with code {code} without a result"
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import native_ops
 from .comm_ledger import CommLedger
 from .exchange import GatherTable, InvalidIdError, ShardedLookup, gather_full, invalid_id_message, plan_exchange, validate_ids
+from .plan_check import check_same_plan
 from .process_group import ProcessGroup, resolve_group
 from .shard_plan import ShardPlan
 
@@ -84,6 +85,9 @@ class ShardedEmbedding(nn.Module):
         self.padding_idx = padding_idx
         self.group, self.rank, self.world_size = resolve_group(process_group)
         self.plan = ShardPlan(num_embeddings, self.world_size)
+        if self.world_size > 1:
+            # collective, once per table: a rank with another vocabulary or size stops here
+            check_same_plan(self.plan, embedding_dim, padding_idx, self.group)
         self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
         self.ledger = ledger
         start, end = self.plan.shard_range(self.rank)

@@ -83,4 +83,6 @@ def initialize(
         out = deepspeed.initialize(model=model, config=ds_config, args=args, **kwargs)
     engine = out[0]
     engine.embrace = attach(engine, embrace, shard_groups)
+    from ..startup_guard import guard  # peer watchdog; the same schedule and dense weights on every rank
+    guard(engine.module, engine.embrace.schedule)
     return out

@@ -8,7 +8,8 @@ from . import compat
 
 compat.apply()
 
-from . import trainer_glue
+from . import checkpoint_io, trainer_glue
 from . import models  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
 
 trainer_glue.apply()
+checkpoint_io.apply()  # atomic checkpoint writes, clear error on a corrupted one

@@ -27,6 +27,10 @@ there too:
    pickles; those of checkpoint files are allow-listed with
    ``torch.serialization.add_safe_globals``, and those of the rank-to-rank copy of a resumed
    checkpoint only while it is received.
+5. A peer watchdog (:func:`_wrap_distributed_init`): ranks started without torchrun
+   (``--distributed-init-method tcp://... --distributed-rank R``) have no agent to stop
+   them when another rank dies; :mod:`embrace_fairseq.watchdog` does
+   (``EMBRACE_PEER_TIMEOUT_S``).
 """
 from __future__ import annotations
 
@@ -359,6 +363,18 @@ def _wrap_all_gather_list(orig: Callable, du: Any) -> Callable:
     return _mark(all_gather_list)
 
 
+def _wrap_distributed_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def distributed_init(cfg: Any) -> Any:
+        rank = orig(cfg)
+        from .. import watchdog
+
+        watchdog.install()
+        return rank
+
+    return _mark(distributed_init)
+
+
 def apply() -> None:
     """Install the fixes (idempotent). Needs fairseq to be importable."""
     import fairseq.distributed.utils as du
@@ -379,3 +395,5 @@ def apply() -> None:
         du.all_gather_list = _wrap_all_gather_list(du.all_gather_list, du)
     if not _is_ours(du._broadcast_object_slow):
         du._broadcast_object_slow = _wrap_broadcast_object_slow(du._broadcast_object_slow)
+    if not _is_ours(du.distributed_init):
+        du.distributed_init = _wrap_distributed_init(du.distributed_init)
