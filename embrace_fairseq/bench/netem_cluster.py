@@ -1,0 +1,291 @@
+"""An emulated cluster on one machine: one network namespace per rank, slow links.
+
+Layout (``Cluster.create``)::
+
+    ns <tag>s  (switch)      bridge <tag>br
+        |-- <tag>r0b  ====veth====  <tag>r0a  in ns <tag>r0   10.77.0.1/24
+        |-- <tag>r1b  ====veth====  <tag>r1a  in ns <tag>r1   10.77.0.2/24
+        ...
+
+Every rank's link is shaped in both directions: on the rank's end (its upload) and on
+the switch's end (its download), a ``netem`` qdisc adds half the one-way latency and a
+``tbf`` child limits the rate. A kernel without ``sch_netem`` gets the rate limit only
+(``describe()["latency_applied"]`` is then false). Two ranks therefore talk over two shaped hops, like two
+nodes with their own NIC behind a switch. Nothing leaves the namespaces the run
+created: the switch namespace has no route to the host.
+
+Names carry a per-run tag (``ebb`` + 5 hex digits) so concurrent runs do not collide;
+:func:`cleanup_leftovers` removes every namespace with the ``ebb`` prefix (what a killed
+run may leave). Requires root (or CAP_NET_ADMIN) and iproute2; :func:`namespaces_available`
+says whether this machine allows it.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+PREFIX = "ebb"  # every namespace this module creates starts with it
+SUBNET = "10.77.0"
+
+
+class NetemError(RuntimeError):
+    """A namespace, link or qdisc could not be created."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check=check)
+
+
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise NetemError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def new_tag() -> str:
+    """A fresh run tag: PREFIX + 5 hex digits (interface names stay within 15 characters)."""
+    return PREFIX + secrets.token_hex(3)[:5]
+
+
+def list_namespaces(prefix: str = PREFIX) -> List[str]:
+    proc = _ip("netns", "list", check=False)
+    if proc.returncode != 0:
+        return []
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.split() and line.split()[0].startswith(prefix)]
+
+
+def cleanup_leftovers(prefix: str = PREFIX) -> List[str]:
+    """Delete every namespace whose name starts with ``prefix`` (veths inside go with it)."""
+    gone = []
+    for ns in list_namespaces(prefix):
+        if _ip("netns", "delete", ns, check=False).returncode == 0:
+            gone.append(ns)
+    return gone
+
+
+def namespaces_available() -> Optional[str]:
+    """``None`` when namespaces, veths and tc work here, else the reason they do not."""
+    if os.name != "posix":
+        return "not a POSIX system"
+    for tool in ("ip", "tc"):
+        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            return f"'{tool}' (iproute2) is not installed"
+    probe = new_tag() + "p"
+    proc = _ip("netns", "add", probe, check=False)
+    if proc.returncode != 0:
+        return f"cannot create a network namespace: {proc.stderr.strip() or 'permission denied'}"
+    try:
+        proc = _ip("-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1", check=False)
+        if proc.returncode != 0:
+            return f"cannot create veth links in a namespace: {proc.stderr.strip()}"
+        proc = _run(["tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "tbf", "rate", "1gbit",
+                     "burst", "128k", "latency", "50ms"], check=False)
+        if proc.returncode != 0:
+            return f"cannot add a tbf qdisc (sch_tbf): {proc.stderr.strip()}"
+    finally:
+        _ip("netns", "delete", probe, check=False)
+    return None
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Per-rank link: rate in Gbit/s, one-way rank-to-rank latency in ms."""
+
+    gbit: float
+    latency_ms: float
+
+    def label(self) -> str:
+        return f"{self.gbit:g}gbit_{self.latency_ms:g}ms"
+
+
+@dataclass
+class RankPlacement:
+    rank: int
+    netns: Optional[str]  # None: loopback (no namespace)
+    ifname: str  # the interface gloo binds to (GLOO_SOCKET_IFNAME)
+    addr: str
+
+    def command_prefix(self) -> List[str]:
+        """Prefix that runs a command inside this rank's namespace."""
+        return ["ip", "netns", "exec", self.netns] if self.netns else []
+
+    def tx_bytes_path(self) -> str:
+        return f"/sys/class/net/{self.ifname}/statistics/tx_bytes"
+
+
+@dataclass
+class Cluster:
+    """N ranks on emulated links (or on loopback when ``loopback``)."""
+
+    world_size: int
+    tag: str
+    loopback: bool
+    ranks: List[RankPlacement] = field(default_factory=list)
+    switch_ns: Optional[str] = None
+    link: Optional[LinkSpec] = None
+    _closed: bool = False
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def create(cls, world_size: int, link: LinkSpec, *, loopback: bool = False) -> "Cluster":
+        if world_size < 1 or world_size > 250:
+            raise ValueError(f"world_size must be 1..250, got {world_size}")
+        tag = new_tag()
+        if loopback:
+            ranks = [RankPlacement(r, None, "lo", "127.0.0.1") for r in range(world_size)]
+            return cls(world_size, tag, True, ranks)
+        cluster = cls(world_size, tag, False, switch_ns=f"{tag}s")
+        _register_cleanup(cluster)
+        try:
+            cluster._build(link)
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
+    def _build(self, link: LinkSpec) -> None:
+        sw = self.switch_ns
+        _ip("netns", "add", sw)
+        _ip("-n", sw, "link", "add", f"{self.tag}br", "type", "bridge")
+        _ip("-n", sw, "link", "set", f"{self.tag}br", "up")
+        _ip("-n", sw, "link", "set", "lo", "up")
+        for r in range(self.world_size):
+            ns, a, b = f"{self.tag}r{r}", f"{self.tag}r{r}a", f"{self.tag}r{r}b"
+            _ip("netns", "add", ns)
+            # created in the switch namespace, the rank end then moved: nothing lands in the host's
+            _ip("-n", sw, "link", "add", b, "type", "veth", "peer", "name", a, "netns", ns)
+            _ip("-n", sw, "link", "set", b, "master", f"{self.tag}br")
+            _ip("-n", sw, "link", "set", b, "up")
+            addr = f"{SUBNET}.{r + 1}"
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
+            _ip("-n", ns, "link", "set", a, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            self.ranks.append(RankPlacement(r, ns, a, addr))
+        self.set_link(link)
+
+    # ------------------------------------------------------------------ shaping
+    def set_link(self, link: LinkSpec) -> None:
+        """(Re)shape every rank's link in both directions; safe while traffic flows."""
+        self.link = link
+        if self.loopback:
+            return
+        for r, place in enumerate(self.ranks):
+            _shape(place.netns, place.ifname, link)
+            _shape(self.switch_ns, f"{self.tag}r{r}b", link)
+
+    def describe(self) -> Dict[str, object]:
+        return {
+            "loopback": self.loopback,
+            "tag": self.tag,
+            "world_size": self.world_size,
+            "ranks": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr} for p in self.ranks],
+            "switch_ns": self.switch_ns,
+            "shaping": None if self.loopback else (
+                "per rank link, both directions: "
+                + ("netem delay latency/2 + tbf rate" if netem_available() else
+                   "tbf rate only (this kernel has no sch_netem: latency not applied)")),
+            "latency_applied": (not self.loopback) and netem_available(),
+        }
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.loopback:
+            return
+        for ns in [p.netns for p in self.ranks] + [self.switch_ns]:
+            if ns:
+                _ip("netns", "delete", ns, check=False)
+        # a half-built cluster may hold namespaces not yet in self.ranks
+        cleanup_leftovers(self.tag)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def netem_available() -> bool:
+    """Whether the kernel has ``sch_netem`` (latency); without it links get rate limits only."""
+    global _NETEM
+    if _NETEM is None:
+        probe = new_tag() + "q"
+        try:
+            _ip("netns", "add", probe)
+            _ip("-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1")
+            _NETEM = _run(["tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"],
+                          check=False).returncode == 0
+        except NetemError:
+            _NETEM = False
+        finally:
+            _ip("netns", "delete", probe, check=False)
+    return _NETEM
+
+
+_NETEM: Optional[bool] = None
+
+
+def tbf_burst_bytes(gbit: float) -> int:
+    """tbf bucket: at least 1 ms of traffic at the rate and a 64 KiB GSO segment."""
+    return max(64 * 1024, int(gbit * 1e9 / 8 / 1000))
+
+
+def _shape(netns: str, dev: str, link: LinkSpec) -> None:
+    delay_us = max(0, int(round(link.latency_ms * 1000 / 2)))
+    rate = f"{int(link.gbit * 1000)}mbit"
+    tbf = ["tbf", "rate", rate, "burst", str(tbf_burst_bytes(link.gbit)), "latency", "50ms"]
+    _run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], check=False)
+    if netem_available() and delay_us > 0:
+        _run(["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+              f"{delay_us}us", "limit", "100000"])
+        _run(["tc", "-n", netns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+    else:  # no sch_netem in this kernel: the rate limit alone
+        _run(["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+
+
+# ---------------------------------------------------------------------- cleanup on exit and signals
+_LIVE: List[Cluster] = []
+_LOCK = threading.Lock()
+_HANDLERS_SET = False
+
+
+def _cleanup_all() -> None:
+    with _LOCK:
+        live = list(_LIVE)
+        _LIVE.clear()
+    for c in live:
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+def _on_signal(signum, frame):  # pragma: no cover - exercised by the slow test
+    # unwind: ``finally`` blocks (which stop the ranks) and atexit (which removes the
+    # namespaces) run, as they do for Ctrl-C's KeyboardInterrupt
+    _cleanup_all()
+    raise SystemExit(128 + signum)
+
+
+def _register_cleanup(cluster: Cluster) -> None:
+    global _HANDLERS_SET
+    with _LOCK:
+        _LIVE.append(cluster)
+        if not _HANDLERS_SET:
+            atexit.register(_cleanup_all)
+            if threading.current_thread() is threading.main_thread():
+                # SIGINT already unwinds (KeyboardInterrupt); take over the others only where
+                # nobody else handles them
+                for sig in (signal.SIGTERM, signal.SIGHUP):
+                    if signal.getsignal(sig) == signal.SIG_DFL:
+                        signal.signal(sig, _on_signal)
+            _HANDLERS_SET = True
