@@ -124,3 +124,9 @@ def prefetch_freshness(rank, world, vocab):
         emb.weight.add_(1.0)
     out["after_finish"] = float((emb.gathered_weight().detach() - (new + 2)).abs().max())
     return out
+
+
+def quick_suite(rank, world, vocab):
+    """The default-suite checks in one spawn: training with accumulation and clipping,
+    and freshness of the prefetched table."""
+    return {"training": tied_training(rank, world, vocab, 4, 2, 0.05), "fresh": prefetch_freshness(rank, world, 11)}

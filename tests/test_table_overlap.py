@@ -30,9 +30,17 @@ def _check(results, accum):
         assert ovl["bytes"] == sync["bytes"] and sync["bytes"]["table_gather"] > 0
 
 
-@pytest.mark.parametrize("world,vocab,accum", [(2, 37, 2)])
-def test_overlap_matches_sync_and_replicated(world, vocab, accum):
-    _check(run_ranks(R.tied_training, world, vocab, 4, accum, 0.05, timeout_s=120), accum)
+def test_overlap_matches_sync_and_replicated_and_is_never_stale():
+    """2 ranks, uneven vocab, two backwards per step, clipping; then a prefetched
+    table is dropped when the weights change (one spawn: rank start-up dominates)."""
+    results = run_ranks(R.quick_suite, 2, 37, timeout_s=120)
+    _check([r["training"] for r in results], 2)
+    for r in results:
+        out = r["fresh"]
+        assert out["after_load"] == 0.0
+        assert out["after_inplace"] == 0.0
+        assert out["dropped_by_finish"]
+        assert out["after_finish"] == 0.0
 
 
 @pytest.mark.slow
@@ -40,10 +48,3 @@ def test_overlap_matches_sync_and_replicated(world, vocab, accum):
 def test_overlap_matches_more_worlds(world, vocab, accum, clip):
     _check(run_ranks(R.tied_training, world, vocab, 4, accum, clip, timeout_s=180), accum)
 
-
-def test_prefetched_table_is_never_stale():
-    for out in run_ranks(R.prefetch_freshness, 2, 11, timeout_s=60):
-        assert out["after_load"] == 0.0
-        assert out["after_inplace"] == 0.0
-        assert out["dropped_by_finish"]
-        assert out["after_finish"] == 0.0
