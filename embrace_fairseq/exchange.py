@@ -21,6 +21,7 @@ from . import comm_ledger as K
 from . import native_ops
 from .comm_ledger import CommLedger, global_ledger
 from .shard_plan import ShardPlan
+from .trace import TracingLedger
 
 # Ids travel as int32 when the vocab fits: half the bytes of int64.
 _INT32_LIMIT = 2**31 - 1
@@ -266,3 +267,113 @@ class GatherTable(torch.autograd.Function):
     def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
         grad = reduce_scatter_rows(grad_full, ctx.plan, ctx.group, ctx.rank, ctx.scale, ctx.ledgers)
         return grad, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------
+# Overlapped table exchange: the model level of the 2D schedule applied to a tied
+# table. The all-gather is issued early in the step and waited for only where the
+# output projection needs the table; the reduce-scatter of its gradient is issued
+# from backward and waited for only before anything reads the shard's ``.grad``.
+# Each runs on its own process group, so neither interleaves with the lookups'
+# AlltoAlls on the table's group (issued from the autograd thread).
+
+
+#: trace lane of the overlapped table collectives (apart from the dense all-reduce's)
+TABLE_TID = 3
+
+
+def _record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int, work: Any) -> None:
+    """Count the bytes now; a tracing ledger also gets the collective as an event from
+    its issue to its completion (taken from the work's future, not from the wait)."""
+    for ledger in ledgers:
+        if not isinstance(ledger, TracingLedger):
+            ledger.record(kind, sent, received)
+            continue
+        CommLedger.record(ledger, kind, sent, received)
+        if ledger.inner is not None:
+            ledger.inner.record(kind, sent, received)
+        tracer, start = ledger.tracer, ledger.tracer.now()
+        if tracer.enabled:
+            work.get_future().then(
+                lambda _f, t=tracer, s=start: t.collective(kind, sent, s, t.now(), tid=TABLE_TID, received=int(received))
+            )
+
+
+class PendingGather:
+    """An all-gather of a table's shards in flight (gloo: padded to equal sizes)."""
+
+    def __init__(self, shard: torch.Tensor, plan: ShardPlan, group, ledgers: List[CommLedger]) -> None:
+        self.plan = plan
+        rows = plan.max_shard_size
+        with torch.no_grad():
+            padded = shard.new_zeros(rows, *shard.shape[1:])
+            padded[: shard.shape[0]] = shard.detach()
+        self._parts = [torch.empty_like(padded) for _ in range(plan.world_size)]
+        self._work = dist.all_gather(self._parts, padded, group=group, async_op=True)
+        self._padded = padded  # kept alive until the collective completes
+        nbytes = (plan.world_size - 1) * padded.numel() * padded.element_size()
+        _record_async(ledgers, K.TABLE_GATHER, nbytes, nbytes, self._work)
+        self._full: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        """The full table (waits once; later calls return the same tensor)."""
+        if self._full is None:
+            self._work.wait()
+            self._full = torch.cat([p[:n] for p, n in zip(self._parts, self.plan.sizes)], dim=0)
+            self._parts, self._padded = [], None
+        return self._full
+
+
+class PendingTableGrads:
+    """Reduce-scatters of full-table gradients in flight, accumulated into a shard's
+    ``.grad`` by :meth:`finish` (one per backward through the projection)."""
+
+    def __init__(self, plan: ShardPlan, group, rank: int, scale: float, ledgers: List[CommLedger]) -> None:
+        self.plan, self.group, self.rank, self.scale, self.ledgers = plan, group, rank, scale, ledgers
+        self._inflight: List[Any] = []  # (work, recv buffer)
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def start(self, full_grad: torch.Tensor) -> None:
+        """Issue the AlltoAll of row blocks (the reduce-scatter without its local sum)."""
+        plan, world = self.plan, self.plan.world_size
+        mine = plan.shard_size(self.rank)
+        full_grad = full_grad.contiguous()
+        recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
+        work = dist.all_to_all_single(recv, full_grad, [mine] * world, plan.sizes, group=self.group, async_op=True)
+        row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
+        _record_async(self.ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes,
+                      (world - 1) * mine * row_bytes, work)
+        self._inflight.append((work, recv, full_grad))
+
+    def finish(self, shard: torch.Tensor) -> None:
+        """Wait for every reduce-scatter in flight and add the results to ``shard.grad``."""
+        mine = self.plan.shard_size(self.rank)
+        while self._inflight:
+            work, recv, _ = self._inflight.pop(0)
+            work.wait()
+            grad = recv.view(self.plan.world_size, mine, *recv.shape[1:]).sum(0)
+            if self.scale != 1.0:
+                grad.mul_(self.scale)
+            with torch.no_grad():
+                if shard.grad is None:
+                    shard.grad = grad.to(shard.dtype)
+                else:
+                    shard.grad.add_(grad)
+
+
+class PrefetchedTable(torch.autograd.Function):
+    """Autograd node: shard -> full table from a gather already in flight; backward
+    issues the gradient's reduce-scatter and returns at once (no gradient to the shard
+    here: :meth:`PendingTableGrads.finish` adds it)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, pending: PendingGather, grads: PendingTableGrads):  # type: ignore[override]
+        ctx.grads = grads
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
+        ctx.grads.start(grad_full)
+        return None, None, None

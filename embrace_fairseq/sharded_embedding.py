@@ -17,7 +17,21 @@ import torch.nn.functional as F
 
 from . import native_ops
 from .comm_ledger import CommLedger
-from .exchange import GatherTable, InvalidIdError, ShardedLookup, gather_full, invalid_id_message, plan_exchange, validate_ids
+import torch.distributed as dist
+
+from .exchange import (
+    GatherTable,
+    InvalidIdError,
+    PendingGather,
+    PendingTableGrads,
+    PrefetchedTable,
+    ShardedLookup,
+    gather_full,
+    invalid_id_message,
+    plan_exchange,
+    validate_ids,
+    _ledgers,
+)
 from .plan_check import check_same_plan
 from .process_group import ProcessGroup, resolve_group
 from .shard_plan import ShardPlan
@@ -58,6 +72,8 @@ class ShardedEmbedding(nn.Module):
         grad_scale: multiplier on the summed gradient rows. ``None`` (default) is
             ``1 / world_size``: the data-parallel average.
         ledger: an extra :class:`CommLedger` to record bytes into (the global one always is).
+        overlap_table: overlap the full-table exchange of a tied output projection with
+            compute (see :meth:`set_table_overlap`). Collective when true and sharded.
     """
 
     relaxed = None  # RelaxedRows or None
@@ -73,6 +89,7 @@ class ShardedEmbedding(nn.Module):
         ledger: Optional[CommLedger] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        overlap_table: bool = False,
     ) -> None:
         super().__init__()
         if padding_idx is not None:
@@ -98,6 +115,13 @@ class ShardedEmbedding(nn.Module):
         self.weight._embrace_table = weakref.ref(self)
         self._prefetched: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._consolidated: Optional[Tuple[int, torch.Tensor]] = None
+        # overlapped full-table exchange (tied output projection)
+        self.overlap_table = False
+        self._gather_group = None
+        self._table_grads: Optional[PendingTableGrads] = None
+        self._pending_gather: Optional[Tuple[int, PendingGather]] = None  # (weight version at issue, gather)
+        self._read_full_table = False  # a projection has read the table: lookups prefetch it
+        self.set_table_overlap(overlap_table)
 
     # ------------------------------------------------------------------ shape info
     @property
@@ -132,6 +156,9 @@ class ShardedEmbedding(nn.Module):
     def forward_many(self, ids_list: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Look up several id tensors with a single exchange (e.g. source and target
         tokens of a shared table). Collective when sharded."""
+        if self._read_full_table:
+            # the first lookup of a step starts the gather its output projection will wait for
+            self.prefetch_table()
         if not self.is_sharded:
             outs = []
             for ids in ids_list:
@@ -165,12 +192,80 @@ class ShardedEmbedding(nn.Module):
 
     def gathered_weight(self) -> torch.Tensor:
         """The full table as a differentiable tensor (all-gather forward, reduce-scatter
-        backward), for a tied output projection. Collective when sharded."""
+        backward), for a tied output projection. Collective when sharded.
+
+        With the table overlap on, the gather is the one :meth:`prefetch_table` started
+        (or starts now), and the backward only issues the reduce-scatter: call
+        :meth:`finish_pending` before reading ``.grad``."""
         if not self.is_sharded:
             return self.weight
-        if self.relaxed is not None:
-            self.relaxed.before_full_read(self)
-        return GatherTable.apply(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
+        if not self._overlapping():
+            if self.relaxed is not None:
+                self.relaxed.before_full_read(self)
+            return GatherTable.apply(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
+        self._read_full_table = True
+        self.prefetch_table()
+        assert self._pending_gather is not None and self._table_grads is not None
+        version, pending = self._pending_gather
+        self._pending_gather = None
+        if version != self.weight._version:
+            # the weights changed in place since the gather was issued (every rank alike)
+            pending.wait()
+            pending = PendingGather(self.weight, self.plan, self._gather_group, _ledgers(self.ledger))
+        return PrefetchedTable.apply(self.weight, pending, self._table_grads)
+
+    # ------------------------------------------------------------------ overlapped table exchange
+    def set_table_overlap(self, enabled: bool) -> None:
+        """Overlap the full-table exchange of a tied output projection with compute.
+
+        On: the all-gather is issued at the first lookup of a step (or by
+        :meth:`prefetch_table`) and awaited by :meth:`gathered_weight`; the backward
+        issues the gradient's reduce-scatter and returns, :meth:`finish_pending` adds it
+        to ``.grad``. Each runs on its own process group, created here: a collective,
+        call it on every rank in the same order. Tables over a subgroup, and tables under
+        the relaxed dependency, keep the synchronous exchange.
+        """
+        enabled = bool(enabled) and self.is_sharded and (dist.get_world_size(), dist.get_rank()) == (self.world_size, self.rank)
+        if not enabled:
+            if self.overlap_table:
+                self.finish_pending()
+            self.overlap_table = False
+            return
+        if self._gather_group is None:
+            ranks = list(range(self.world_size))
+            self._gather_group = dist.new_group(ranks=ranks)
+            grad_group = dist.new_group(ranks=ranks)
+            self._table_grads = PendingTableGrads(self.plan, grad_group, self.rank, self.grad_scale, _ledgers(self.ledger))
+        self.overlap_table = True
+
+    def _overlapping(self) -> bool:
+        return self.overlap_table and self.relaxed is None and self._table_grads is not None
+
+    def prefetch_table(self) -> None:
+        """Start the all-gather of the table now unless one is in flight. Collective (on
+        the table's gather group): every rank calls it at the same point of a step, after
+        the optimizer step whose weights the projection must see."""
+        if not self._overlapping() or self._pending_gather is not None:
+            return
+        self._table_grads.ledgers = _ledgers(self.ledger)  # a tracing ledger may have been set since
+        self._pending_gather = (
+            self.weight._version,
+            PendingGather(self.weight, self.plan, self._gather_group, self._table_grads.ledgers),
+        )
+
+    def finish_pending(self) -> None:
+        """Wait for the table-gradient reduce-scatters in flight and add them to ``.grad``;
+        drop a gather issued before this point (the step that follows changes the
+        weights). Call on every rank before anything reads ``.grad`` (norm, clipping,
+        optimizer)."""
+        if self._table_grads is not None:
+            self._table_grads.finish(self.weight)
+        self._drop_prefetched_table()
+
+    def _drop_prefetched_table(self) -> None:
+        if self._pending_gather is not None:
+            self._pending_gather[1].wait()  # every rank issued it: completes without new collectives
+            self._pending_gather = None
 
     # ------------------------------------------------------------------ full table
     def full_weight(self) -> torch.Tensor:
@@ -206,6 +301,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(
                 f"expected a table of shape ({self.num_embeddings}, {self.embedding_dim}), got {tuple(full.shape)}"
             )
+        self._drop_prefetched_table()
         self.weight.copy_(self.shard_of(full))
 
     # ------------------------------------------------------------------ state dict
@@ -227,6 +323,7 @@ class ShardedEmbedding(nn.Module):
         destination[prefix + "weight"] = self._consolidated[1]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        self._drop_prefetched_table()
         key = prefix + "weight"
         if key in state_dict and self.is_sharded:
             tensor = state_dict[key]
@@ -256,6 +353,15 @@ def consolidate(module: nn.Module) -> None:
     """Gather every sharded table of ``module`` for the next ``state_dict``. Collective."""
     for emb in sharded_embeddings(module):
         emb.consolidate()
+
+
+def finish_pending(tables) -> None:
+    """:meth:`ShardedEmbedding.finish_pending` for every table of a module (or a list of
+    tables). Call on every rank before reading gradients."""
+    if isinstance(tables, nn.Module):
+        tables = sharded_embeddings(tables)
+    for emb in tables:
+        emb.finish_pending()
 
 
 def is_sharded_param(p: torch.Tensor) -> bool:

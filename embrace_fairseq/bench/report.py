@@ -360,17 +360,17 @@ def _timeline(plt, trace_path: Path, path: Path, title: str) -> Optional[Path]:
     if len(fwd) < 3:
         return None
     t0, t1 = fwd[-3], fwd[-1]  # two steps
-    rows = {0: "compute", 2: "embedding exchange", 1: "dense all-reduce"}
+    rows = {0: "compute", 2: "embedding exchange", 3: "tied table", 1: "dense all-reduce"}
     fig, ax = plt.subplots(figsize=(11, 3))
     colors = {"forward": "C0", "backward": "C1", "step": "C2"}
     for e in evs:
         if e["ts"] + e["dur"] < t0 or e["ts"] > t1:
             continue
-        y = {0: 2, 2: 1, 1: 0}[e["tid"]]
-        c = colors.get(e["name"], "C3" if e["tid"] == 1 else "C4")
+        y = {0: 3, 2: 2, 3: 1, 1: 0}[e["tid"]]
+        c = colors.get(e["name"], {1: "C3", 3: "C5"}.get(e["tid"], "C4"))
         ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y - 0.35, 0.7), color=c, edgecolor="k", lw=0.2)
-    ax.set_yticks([2, 1, 0])
-    ax.set_yticklabels([rows[0], rows[2], rows[1]])
+    ax.set_yticks([3, 2, 1, 0])
+    ax.set_yticklabels([rows[0], rows[2], rows[3], rows[1]])
     ax.set_xlabel("ms (two steps)")
     ax.set_title(title + "  (compute: forward C0, backward C1, optimizer C2)")
     fig.tight_layout()

@@ -41,7 +41,7 @@ from ..grad_norm import combine_norms, nonfinite_gradients, raise_if_nonfinite, 
 from ..shard_optimizer import HyperParams, ShardOptimizer, kind_of
 from ..scheduled_allreduce import ExchangeGate, ScheduledAllReduce
 from ..scheduler import Schedule, ScheduleOptions, TensorSpec, build_schedule
-from ..sharded_embedding import ShardedEmbedding, is_sharded_param, sharded_embeddings
+from ..sharded_embedding import ShardedEmbedding, finish_pending, is_sharded_param, sharded_embeddings
 from ..trace import Tracer, TracingLedger
 from .config import EmbraceConfig, EmbraceConfigError
 
@@ -172,6 +172,8 @@ class EmbraceEngineHook:
             # its own group: the deferred AlltoAlls run beside the default group's lookups
             rgroup = dist.new_group(ranks=list(range(dist.get_world_size()))) if dist.is_initialized() else None
             self.relaxed = RelaxedRows(self.tables, rgroup, self.tracer)
+        for emb in self.tables:  # model level of the schedule for a tied table's full exchange
+            emb.set_table_overlap(config.overlap and self.relaxed is None)
         self._names = {id(p): n for n, p in module.named_parameters()}
         if getattr(self, "gate", None) is not None:
             self._gate_tables()
@@ -274,6 +276,7 @@ class EmbraceEngineHook:
             # ZeRO moves the dense gradients out of .grad when it reduces them:
             # check them (and the shards) here, at the accumulation boundary.
             if e.is_gradient_accumulation_boundary():
+                finish_pending(self.tables)
                 self.check_gradients()
             return allreduce(*args, **kwargs)
 
@@ -290,6 +293,8 @@ class EmbraceEngineHook:
         def scheduled_step(*args: Any, **kwargs: Any) -> Any:
             # unmanaged accumulation: every step() is a boundary
             boundary = not e.managed_gradient_accumulation() or e.is_gradient_accumulation_boundary()
+            if boundary:
+                finish_pending(self.tables)
             if boundary and reducer is not None:
                 reducer.finish()
                 self.check_gradients()

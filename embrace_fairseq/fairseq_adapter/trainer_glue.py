@@ -11,7 +11,10 @@ the algorithms live in the core modules (grad_norm, optimizer_state).
   independent checkpoints.
 * ``Trainer.state_dict``: writes those full optimizer states.
 * ``FairseqOptimizer.load_state_dict``: each rank keeps its rows of full states.
-* ``Trainer.__init__``: rejects combinations that cannot work, at start-up.
+* ``Trainer.__init__``: rejects combinations that cannot work, at start-up, and turns
+  on the overlapped full-table exchange of tied tables (``EMBRACE_TABLE_OVERLAP=0``: off).
+* ``FairseqOptimizer.all_reduce_grads``: first waits for the tables' overlapped
+  gradient reduce-scatters, before any gradient is reduced, scaled or clipped.
 * ``LegacyDistributedDataParallel.__init__``: sizes its all-reduce buffer by the
   parameters it reduces. fairseq sizes it by *all* parameters and all-reduces the
   whole buffer; shards of uneven size (vocab not divisible by the world size) would
@@ -31,7 +34,7 @@ from fairseq.trainer import Trainer
 
 from ..grad_norm import combine_norms, sharded_sq_norm
 from ..optimizer_state import gather_sharded_state, to_local_state, with_full_state
-from ..sharded_embedding import consolidate, is_sharded_param, sharded_embeddings
+from ..sharded_embedding import consolidate, finish_pending, is_sharded_param, sharded_embeddings
 
 _APPLIED = False
 
@@ -136,9 +139,25 @@ def _trainer_init(original):
     @functools.wraps(original)
     def __init__(self: Trainer, cfg, task, model, criterion, *args, **kwargs):
         validate_training_config(cfg, model)
+        overlap = os.environ.get(TABLE_OVERLAP_ENV, "1") != "0"
+        for emb in sharded_embeddings(model):  # collective: every rank builds its trainer here
+            emb.set_table_overlap(overlap)
         return original(self, cfg, task, model, criterion, *args, **kwargs)
 
     return __init__
+
+
+#: Environment variable: ``0`` keeps the tied tables' full-table exchange synchronous.
+TABLE_OVERLAP_ENV = "EMBRACE_TABLE_OVERLAP"
+
+
+def _all_reduce_grads(original):
+    @functools.wraps(original)
+    def all_reduce_grads(self: FairseqOptimizer, module):
+        finish_pending(module)
+        return original(self, module)
+
+    return all_reduce_grads
 
 
 #: Environment variable: digits fairseq's meters keep in logs (fairseq rounds to 3);
@@ -177,6 +196,7 @@ def apply() -> None:
     Trainer.consolidate_optimizer = _consolidate_optimizer(Trainer.consolidate_optimizer)
     Trainer.state_dict = _state_dict(Trainer.state_dict)
     Trainer.__init__ = _trainer_init(Trainer.__init__)
+    FairseqOptimizer.all_reduce_grads = _all_reduce_grads(FairseqOptimizer.all_reduce_grads)
     FairseqOptimizer.load_state_dict = _optimizer_load_state_dict(FairseqOptimizer.load_state_dict)
     LegacyDistributedDataParallel.__init__ = _legacy_ddp_init(LegacyDistributedDataParallel.__init__)
     _APPLIED = True
