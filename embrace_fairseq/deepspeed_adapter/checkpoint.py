@@ -14,9 +14,9 @@ What a checkpoint holds (fairseq's keys, so ``fairseq-generate``/``fairseq-eval-
   ``best``, and ``embrace_ds``: DeepSpeed's step counters and each rank's RNG state.
 
 Resume-only state that is not plain tensors travels as ``torch.save`` bytes, so the
-file stays loadable with ``weights_only=True``. Writing: rank 0 writes a temporary file,
-fsyncs it and renames it over the target (``os.replace``), so a crash leaves the previous
-checkpoint intact. Saving and loading are collectives (tables are gathered; every rank
+file stays loadable with ``weights_only=True``. Writing: rank 0 writes through
+:mod:`embrace_fairseq.atomic_io` (temporary file, fsync, rename, SHA-256 sidecar), so a
+crash leaves the previous checkpoint intact and a corrupted file is refused on load. Saving and loading are collectives (tables are gathered; every rank
 reads the file and keeps its own rows).
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..atomic_io import atomic_save
+from ..atomic_io import load_checkpoint as atomic_load
 from ..optimizer_state import gather_sharded_state, to_local_state, with_full_state
 from ..sharded_embedding import consolidate
 
@@ -121,17 +123,7 @@ def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, cr
         }
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
+        atomic_save(ckpt, path)  # temp file, fsync, rename, SHA-256 sidecar
         logger.info("saved %s (epoch %d, %d updates)", path, epoch_itr.epoch, engine.global_steps)
     dist.barrier()
 
@@ -151,7 +143,7 @@ def restore_path(cfg: Any) -> Optional[str]:
 def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, epoch_itr: Any, cfg: Any) -> Dict[str, Any]:
     """Restore weights, optimizer, LR schedule, counters, iterator position and RNG. Every
     rank reads the file and keeps its rows. Returns the launcher's extra state."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = atomic_load(path, map_location="cpu", weights_only=False)  # refuses truncated/corrupted files
     model.load_state_dict(ckpt["model"], strict=True)
     extra = ckpt.get("extra_state") or {}
     ds = extra.get("embrace_ds") or {}
