@@ -184,8 +184,7 @@ _LIMITS = """## Limits
 * A stall longer than `EMBRACE_PEER_TIMEOUT_S` in which a rank's Python threads cannot run
   (e.g. a single C call holding the GIL that long) would be taken for a hang.
 * Checkpoint files written by other tools have no sidecar: those are only checked for
-  truncation (torch's reader), not for flipped bits. This includes `embrace-ds-train`'s own
-  checkpoints (atomic, but without a sidecar). Copying another file over a checkpoint by
+  truncation (torch's reader), not for flipped bits. Copying another file over a checkpoint by
   hand leaves its old `.sha256` behind, and loading then refuses it: delete the sidecar too.
 * The watchdog does not replace the collective timeouts: a rank that is alive and beating
   but never reaches a collective (a bug, not a fault) still waits for gloo's timeout.
