@@ -124,8 +124,8 @@ def markdown(records: List[Dict[str, Any]]) -> str:
         f"{passed} of {len(records)} scenarios pass. *Detect* is the time from the fault to the last",
         "rank reacting (exit or error), where the test measures it; for bad input found at start-up",
         "or in the first batch it is the whole run until the error, process start included. *s* is",
-        "the test's own wall time, on a 2-core CPU machine shared with other jobs (load average",
-        f"10-20 during these runs; Python {platform.python_version()}, {platform.machine()}).",
+        "the test's own wall time, on a 2-core CPU machine, at times shared with other jobs",
+        f"(Python {platform.python_version()}, {platform.machine()}); *run* is when the scenario last ran.",
         "",
     ]
     current = None
