@@ -48,14 +48,7 @@ import numpy as np
 
 from .scheduler import TensorSpec, cut_pieces, make_buckets, readiness_order
 
-STRATEGIES = (
-    "fairseq_legacy_ddp",
-    "fairseq_c10d",
-    "deepspeed",
-    "sparse_allgather",
-    "embrace_noschedule",
-    "embrace_schedule",
-)
+from .comm_bounds import STRATEGIES  # one list of strategy names for bounds and the cost model
 # names the benchmark or a user may use for the same strategies
 ALIASES = {
     "legacy_ddp": "fairseq_legacy_ddp",

@@ -268,3 +268,9 @@ def bf16_run(rank, world, steps=10):
     cfg = dict(_ds_config(stage=1), bf16={"enabled": True})
     return {sharded: _train_cfg(rank, world, sharded=sharded, steps=steps, cfg=dict(cfg), optimizer=adam)
             for sharded in (False, True)}
+
+
+def rel_diff(a, b) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

@@ -21,9 +21,7 @@ from embrace_fairseq.scheduler import ScheduleOptions, TensorSpec, build_schedul
 RTOL = 1e-4
 
 
-def _rel(a, b):
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+_rel = R.rel_diff
 
 
 def _assert_same_training(ref, got, label):

@@ -16,9 +16,7 @@ from embrace_fairseq.local_ranks import run_ranks  # noqa: E402
 RTOL = 1e-4
 
 
-def _rel(a, b):
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+_rel = R.rel_diff
 
 
 def _check(results):
