@@ -1,14 +1,14 @@
 """EmbRace for fairseq and DeepSpeed: vocab-sharded embeddings exchanged with AlltoAll.
 
 Core (framework-agnostic): :class:`ShardPlan`, the exchange primitives in
-:mod:`embrace_fairseq.exchange`, :class:`ShardedEmbedding` and byte accounting
+:mod:`embrace_fairseq.core.exchange`, :class:`ShardedEmbedding` and byte accounting
 (:class:`CommLedger`). Adapters for fairseq and DeepSpeed live in subpackages and
 hold no algorithm.
 """
-from .comm_ledger import CommLedger, global_ledger
-from .exchange import InvalidIdError
-from .shard_plan import ShardPlan
-from .sharded_embedding import (
+from embrace_fairseq.core.ledger import CommLedger, global_ledger
+from embrace_fairseq.core.ids import InvalidIdError
+from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.sharded_embedding import (
     SHARDED_ATTR,
     ShardedEmbedding,
     consolidate,

@@ -11,4 +11,4 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m embrace_fairseq.bench "$@"
+exec "$PY" -m embrace_fairseq.perf.bench "$@"

@@ -6,5 +6,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${EMBRACE_VENV:-$ROOT/.venv}/bin/python"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [[ "${1:-}" == "--fast" ]]; then shift; exec "$PY" -m embrace_fairseq.reliability "$@"; fi
-exec "$PY" -m embrace_fairseq.reliability --slow "$@"
+if [[ "${1:-}" == "--fast" ]]; then shift; exec "$PY" -m embrace_fairseq.tools.fault_report "$@"; fi
+exec "$PY" -m embrace_fairseq.tools.fault_report --slow "$@"

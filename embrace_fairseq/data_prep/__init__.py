@@ -3,8 +3,8 @@
 ``python -m embrace_fairseq.data_prep --out data`` builds everything; the Python API is
 `prepare_all`, `prepare_deen` and `prepare_lm`. See `pipeline` for the output layout.
 """
-from .errors import DataPrepError, FetchError, LayoutError, ToolError
-from .pipeline import prepare_all, prepare_deen, prepare_lm
+from embrace_fairseq.data_prep.errors import DataPrepError, FetchError, LayoutError, ToolError
+from embrace_fairseq.data_prep.pipeline import prepare_all, prepare_deen, prepare_lm
 
 __all__ = ["prepare_all", "prepare_deen", "prepare_lm",
            "DataPrepError", "FetchError", "LayoutError", "ToolError"]

@@ -8,10 +8,17 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import DataPrepError
-from .pipeline import (DEFAULT_LM_TEST_FROM, DEFAULT_LM_VALID_FROM, DEFAULT_TEST_MODULES,
-                       DEFAULT_VALID_MODULES, DEFAULT_VOCAB, prepare_deen, prepare_lm)
-from .manifest import load_manifest, write_manifest
+from embrace_fairseq.data_prep.errors import DataPrepError
+from embrace_fairseq.data_prep.pipeline import (
+    DEFAULT_LM_TEST_FROM,
+    DEFAULT_LM_VALID_FROM,
+    DEFAULT_TEST_MODULES,
+    DEFAULT_VALID_MODULES,
+    DEFAULT_VOCAB,
+    prepare_deen,
+    prepare_lm,
+)
+from embrace_fairseq.data_prep.manifest import load_manifest, write_manifest
 
 
 def build_parser() -> argparse.ArgumentParser:

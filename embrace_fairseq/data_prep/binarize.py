@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .errors import ToolError
+from embrace_fairseq.data_prep.errors import ToolError
 
 
 def preprocess_command() -> List[str]:

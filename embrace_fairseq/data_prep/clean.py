@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
 
-from .libreoffice import Segment
+from embrace_fairseq.data_prep.libreoffice import Segment
 
 T = TypeVar("T", bound=Segment)
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .errors import FetchError, LayoutError
+from embrace_fairseq.data_prep.errors import FetchError, LayoutError
 
 
 def _run(cmd: Sequence[str], what: str, cwd: Optional[Path] = None) -> str:

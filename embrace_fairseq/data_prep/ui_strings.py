@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from typing import List
 
-from .errors import LayoutError
-from .help_html import normalize_space
-from .libreoffice import Segment
+from embrace_fairseq.data_prep.errors import LayoutError
+from embrace_fairseq.data_prep.help_html import normalize_space
+from embrace_fairseq.data_prep.libreoffice import Segment
 
 UI_PACKAGE = "libreoffice-l10n-de"
 MO_SUBDIR = "usr/lib/libreoffice/program/resource/de/LC_MESSAGES"

@@ -26,8 +26,14 @@ import copy
 import torch
 from typing import Any, Mapping, Optional, Union
 
-from .config import EmbraceConfig, EmbraceConfigError, check_supported, parse_embrace_config, split_config
-from .engine_hook import (
+from embrace_fairseq.deepspeed_adapter.config import (
+    EmbraceConfig,
+    EmbraceConfigError,
+    check_supported,
+    parse_embrace_config,
+    split_config,
+)
+from embrace_fairseq.deepspeed_adapter.engine_hook import (
     EmbraceEngineHook,
     attach,
     shards_kept_out_of_broadcast,
@@ -83,6 +89,8 @@ def initialize(
         out = deepspeed.initialize(model=model, config=ds_config, args=args, **kwargs)
     engine = out[0]
     engine.embrace = attach(engine, embrace, shard_groups)
-    from ..startup_guard import guard  # peer watchdog; the same schedule and dense weights on every rank
+    from embrace_fairseq.guards.startup_guard import (  # peer watchdog; the same schedule and dense weights on every rank
+        guard,
+    )
     guard(engine.module, engine.embrace.schedule)
     return out

@@ -15,7 +15,7 @@ What a checkpoint holds (fairseq's keys, so ``fairseq-generate``/``fairseq-eval-
 
 Resume-only state that is not plain tensors travels as ``torch.save`` bytes, so the
 file stays loadable with ``weights_only=True``. Writing: rank 0 writes through
-:mod:`embrace_fairseq.atomic_io` (temporary file, fsync, rename, SHA-256 sidecar), so a
+:mod:`embrace_fairseq.guards.atomic_io` (temporary file, fsync, rename, SHA-256 sidecar), so a
 crash leaves the previous checkpoint intact and a corrupted file is refused on load. Saving and loading are collectives (tables are gathered; every rank
 reads the file and keeps its own rows).
 """
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..atomic_io import atomic_save
-from ..atomic_io import load_checkpoint as atomic_load
-from ..optimizer_state import gather_sharded_state, to_local_state, with_full_state
-from ..sharded_embedding import consolidate
+from embrace_fairseq.guards.atomic_io import atomic_save
+from embrace_fairseq.guards.atomic_io import load_checkpoint as atomic_load
+from embrace_fairseq.optim.optimizer_state import gather_sharded_state, to_local_state, with_full_state
+from embrace_fairseq.core.sharded_embedding import consolidate
 
 logger = logging.getLogger(__name__)
 

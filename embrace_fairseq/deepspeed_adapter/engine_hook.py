@@ -10,19 +10,19 @@ reduction over):
   ``ShardedEmbedding``'s own AlltoAll;
 * ``step`` first waits for the all-reduces (accumulation boundary only);
 * ``clip_fp32_gradients`` takes the norm over the dense gradients and every rank's
-  shards (:mod:`embrace_fairseq.grad_norm`), so all ranks clip alike;
+  shards (:mod:`embrace_fairseq.optim.grad_norm`), so all ranks clip alike;
 * ``forward``/``backward``/``step`` are timed for the optional trace.
 
 Under ZeRO stage 1 DeepSpeed's optimizer holds only the dense parameters (ZeRO
 partitions every parameter it holds over the ranks; a shard's rows already are) and
 DeepSpeed's own reducer averages the dense gradients. The shards are stepped by a
-:class:`~embrace_fairseq.shard_optimizer.ShardOptimizer` with the DeepSpeed optimizer's
+:class:`~embrace_fairseq.optim.shard_optimizer.ShardOptimizer` with the DeepSpeed optimizer's
 rule and current hyper-parameters; ZeRO's global gradient norm (clipping, overflow) is
 extended by the shards' squared norm, and its clip/unscale factor is applied to them.
 
 Non-finite gradients: at every optimizer step each rank's shard gradients and the
 dense gradients are checked, the flags reduced over all ranks. Without fp16 every rank
-raises :class:`~embrace_fairseq.grad_norm.NonFiniteGradientError` (a FloatingPointError)
+raises :class:`~embrace_fairseq.optim.grad_norm.NonFiniteGradientError` (a FloatingPointError)
 naming the parameters and ranks, before any weight changes. With fp16 DeepSpeed's
 skip-step and loss-scale reduction applies, with the overflow decision reduced over all
 shards, so every rank skips the same steps.
@@ -36,14 +36,24 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..relaxed_embedding import RelaxedRows
-from ..grad_norm import combine_norms, nonfinite_gradients, raise_if_nonfinite, sharded_sq_norm
-from ..shard_optimizer import HyperParams, ShardOptimizer, kind_of
-from ..scheduled_allreduce import ExchangeGate, ScheduledAllReduce
-from ..scheduler import Schedule, ScheduleOptions, TensorSpec, build_schedule
-from ..sharded_embedding import ShardedEmbedding, finish_pending, is_sharded_param, sharded_embeddings
-from ..trace import Tracer, TracingLedger
-from .config import EmbraceConfig, EmbraceConfigError
+from embrace_fairseq.core.relaxed_rows import RelaxedRows
+from embrace_fairseq.optim.grad_norm import (
+    combine_norms,
+    nonfinite_gradients,
+    raise_if_nonfinite,
+    sharded_sq_norm,
+)
+from embrace_fairseq.optim.shard_optimizer import HyperParams, ShardOptimizer, kind_of
+from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
+from embrace_fairseq.schedule.plan import Schedule, ScheduleOptions, TensorSpec, build_schedule
+from embrace_fairseq.core.sharded_embedding import (
+    ShardedEmbedding,
+    finish_pending,
+    is_sharded_param,
+    sharded_embeddings,
+)
+from embrace_fairseq.core.trace import Tracer, TracingLedger
+from embrace_fairseq.deepspeed_adapter.config import EmbraceConfig, EmbraceConfigError
 
 
 @contextlib.contextmanager

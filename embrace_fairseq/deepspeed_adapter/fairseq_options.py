@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import EmbraceConfigError
+from embrace_fairseq.deepspeed_adapter.config import EmbraceConfigError
 
 
 class FairseqOptionConflict(EmbraceConfigError):

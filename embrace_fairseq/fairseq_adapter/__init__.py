@@ -4,12 +4,14 @@ Importing it (``--user-dir user_dir`` does) applies the compatibility fixes in
 :mod:`.compat` and registers the EmbRace architectures. No algorithm lives here.
 """
 # Fixes first: stock fairseq on CPU/torchrun and torch.load(weights_only=True) (see compat.py).
-from . import compat
+from embrace_fairseq.fairseq_adapter import compat
 
 compat.apply()
 
-from . import checkpoint_io, trainer_glue
-from . import models  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
+from embrace_fairseq.fairseq_adapter import checkpoint_io, trainer_glue
+from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
+    models,
+)
 
 trainer_glue.apply()
 checkpoint_io.apply()  # atomic checkpoint writes, clear error on a corrupted one

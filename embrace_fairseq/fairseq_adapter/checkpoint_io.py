@@ -5,16 +5,22 @@ to disk, and its retry loop writes again into the same, partly written handle), 
 *copies* it to the other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
 ``shutil.copyfile``, which is not atomic: a kill during the copy leaves a truncated
 ``checkpoint_last.pt``, the file the next run resumes from. Here both steps go
-through :mod:`embrace_fairseq.atomic_io` (with a SHA-256 sidecar per file), and a
+through :mod:`embrace_fairseq.guards.atomic_io` (with a SHA-256 sidecar per file), and a
 checkpoint that is truncated or does not match its sidecar stops with
-:class:`~embrace_fairseq.atomic_io.CorruptCheckpointError` naming the file.
+:class:`~embrace_fairseq.guards.atomic_io.CorruptCheckpointError` naming the file.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
 
-from ..atomic_io import CorruptCheckpointError, atomic_copy, atomic_save, corrupt_error, verify
+from embrace_fairseq.guards.atomic_io import (
+    CorruptCheckpointError,
+    atomic_copy,
+    atomic_save,
+    corrupt_error,
+    verify,
+)
 
 _MARK = "_embrace_checkpoint_io"
 

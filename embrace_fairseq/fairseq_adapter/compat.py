@@ -29,7 +29,7 @@ there too:
    checkpoint only while it is received.
 5. A peer watchdog (:func:`_wrap_distributed_init`): ranks started without torchrun
    (``--distributed-init-method tcp://... --distributed-rank R``) have no agent to stop
-   them when another rank dies; :mod:`embrace_fairseq.watchdog` does
+   them when another rank dies; :mod:`embrace_fairseq.guards.watchdog` does
    (``EMBRACE_PEER_TIMEOUT_S``).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from ..local_ranks import free_port
+from embrace_fairseq.core.process_group import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ def _wrap_distributed_init(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def distributed_init(cfg: Any) -> Any:
         rank = orig(cfg)
-        from .. import watchdog
+        from embrace_fairseq.guards import watchdog
 
         watchdog.install()
         return rank

@@ -3,7 +3,7 @@
 Each architecture is the stock one with its token embeddings replaced by
 :class:`~embrace_fairseq.ShardedEmbedding` (vocab-sharded over the data-parallel
 ranks) and, when input and output embeddings are tied, the output projection
-reading the sharded table through :class:`~embrace_fairseq.output_projection.TiedShardedProjection`.
+reading the sharded table through :class:`~embrace_fairseq.core.tied_projection.TiedShardedProjection`.
 Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from fairseq.models.transformer.transformer_decoder import TransformerDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from fairseq.utils import safe_getattr
 
-from ..output_projection import TiedShardedProjection
-from ..sharded_embedding import ShardedEmbedding, is_sharded_param
+from embrace_fairseq.core.tied_projection import TiedShardedProjection
+from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
 
 #: stock architecture -> EmbRace architecture registered here
 TRANSLATION_ARCHS = {

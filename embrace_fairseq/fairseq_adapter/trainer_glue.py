@@ -32,9 +32,14 @@ from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistribut
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from fairseq.trainer import Trainer
 
-from ..grad_norm import combine_norms, sharded_sq_norm
-from ..optimizer_state import gather_sharded_state, to_local_state, with_full_state
-from ..sharded_embedding import consolidate, finish_pending, is_sharded_param, sharded_embeddings
+from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
+from embrace_fairseq.optim.optimizer_state import gather_sharded_state, to_local_state, with_full_state
+from embrace_fairseq.core.sharded_embedding import (
+    consolidate,
+    finish_pending,
+    is_sharded_param,
+    sharded_embeddings,
+)
 
 _APPLIED = False
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..local_ranks import free_port
+from embrace_fairseq.core.process_group import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 USER_DIR = REPO_ROOT / "user_dir"

@@ -17,7 +17,17 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .common import REPO_ROOT, USER_DIR, json_records, torchrun_train_cmd, plot_losses, progress_printer, stream, tool, versions
+from embrace_fairseq.recipes.common import (
+    REPO_ROOT,
+    USER_DIR,
+    json_records,
+    torchrun_train_cmd,
+    plot_losses,
+    progress_printer,
+    stream,
+    tool,
+    versions,
+)
 
 MODEL_ARGS = [
     "--decoder-layers", "2", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "512",

@@ -20,8 +20,18 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .common import (REPO_ROOT, USER_DIR, child_env, json_records, torchrun_train_cmd, plot_losses, progress_printer,
-                     stream, tool, versions)
+from embrace_fairseq.recipes.common import (
+    REPO_ROOT,
+    USER_DIR,
+    child_env,
+    json_records,
+    torchrun_train_cmd,
+    plot_losses,
+    progress_printer,
+    stream,
+    tool,
+    versions,
+)
 
 # Sized so that data preparation, training and decoding fit in about 30 minutes on
 # 2 cores: a small Transformer with tied embeddings over the joint vocabulary.

@@ -1,0 +1,85 @@
+"""Byte accounting of every collective the library issues.
+
+Benchmarks report volume from what was actually sent, not from formulas, so each
+exchange records its bytes here. Bytes that stay on the rank (the part of an
+AlltoAll a rank sends to itself) are not counted: they never cross a link.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional
+
+# The kinds of traffic an exchange produces.
+COUNTS = "counts"  # per-peer header: how many ids follow (and error flags)
+IDS = "ids"  # unique ids sent to their owners
+ROWS = "rows"  # embedding rows sent back to the requesters
+GRAD_ROWS = "grad_rows"  # gradient rows sent to the owners in backward
+TABLE_GATHER = "table_gather"  # full-table all-gather (tied output projection, checkpoints)
+TABLE_GRAD = "table_grad"  # reduce-scatter of a full-table gradient
+DENSE_GRAD = "dense_grad"  # all-reduce of replicated (dense) parameters
+
+
+@dataclass
+class CommLedger:
+    """Bytes sent and received per kind, and how many collectives were issued."""
+
+    sent: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, kind: str, sent: int, received: int) -> None:
+        with self._lock:
+            self.sent[kind] += int(sent)
+            self.received[kind] += int(received)
+            self.calls[kind] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent.clear()
+            self.received.clear()
+            self.calls.clear()
+
+    def total_sent(self, kinds: Optional[Iterable[str]] = None) -> int:
+        keys = self.sent.keys() if kinds is None else kinds
+        return sum(self.sent.get(k, 0) for k in keys)
+
+    def total_received(self, kinds: Optional[Iterable[str]] = None) -> int:
+        keys = self.received.keys() if kinds is None else kinds
+        return sum(self.received.get(k, 0) for k in keys)
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        """A plain-dict copy, safe to json-dump."""
+        with self._lock:
+            return {
+                "sent": dict(self.sent),
+                "received": dict(self.received),
+                "calls": dict(self.calls),
+            }
+
+
+_GLOBAL = CommLedger()
+
+
+def global_ledger() -> CommLedger:
+    """The process-wide ledger every exchange also records into."""
+    return _GLOBAL
+
+
+def ledgers_for(ledger: Optional[CommLedger]) -> List[CommLedger]:
+    """The ledgers an exchange records into: the global one, plus ``ledger`` if given."""
+    g = global_ledger()
+    return [g] if ledger is None or ledger is g else [g, ledger]
+
+
+def record_all(ledgers: List[CommLedger], kind: str, sent: int, received: int) -> None:
+    """Record one collective's bytes in every ledger of ``ledgers``."""
+    for ledger in ledgers:
+        ledger.record(kind, sent, received)
+
+
+def off_rank(counts: List[int], rank: int) -> int:
+    """How many of ``counts`` (one per rank) leave this rank: all but its own."""
+    return sum(c for r, c in enumerate(counts) if r != rank)

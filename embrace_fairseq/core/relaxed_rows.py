@@ -1,0 +1,251 @@
+"""The relaxed embedding dependency: finish the rows the next batch does not read late.
+
+At step k the table rows split in two by the ids of batch k+1 over *all* ranks (``G``):
+
+* rows in ``G``: their gradient rows travel in backward as usual (synchronous AlltoAll)
+  and they are updated at the optimizer step, so the next forward reads them updated;
+* the other rows: their gradient rows travel with an asynchronous AlltoAll on a process
+  group of its own (issued in backward, in the autograd order, which is the same on
+  every rank), and a background thread waits for it and applies their update while the
+  next forward runs.
+
+Results stay those of synchronous training: the optimizer is element-wise and steps the
+two row sets with the same step number (a :class:`RowStepper` such as
+:class:`embrace_fairseq.optim.shard_optimizer.ShardOptimizer`),
+and nothing reads a deferred row before its update is done: a lookup that asks an owner
+for a row outside ``G`` (wrong or missing ``next_batch`` ids) waits for the deferred work
+first; full-table reads (tied output projection, checkpoints) and the next backward and
+step wait too. Without ``G`` (no ids given) every row is deferred and the next lookup waits.
+
+Not combinable with anything that needs every gradient row at the step: gradient-norm
+clipping and fp16 overflow checks (refused at start-up), gradient accumulation over
+several micro-batches. Non-finite deferred gradients are detected when the deferred work
+is joined (a collective on the training thread), one step later than the others.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from embrace_fairseq.core import ledger as K
+from embrace_fairseq.core.output_dist import push_grad_rows as sync_push
+from embrace_fairseq.core.trace import Tracer
+
+DEFERRED_TID = 3
+DEFERRED_GRAD_ROWS = "deferred_grad_rows"
+
+
+class RowStepper(Protocol):
+    """What the relaxed rows need of an optimizer over the tables' shards (the shard
+    optimizer of :mod:`embrace_fairseq.optim` is one): an element-wise update of
+    chosen rows, with the step number advanced once per step for all of them."""
+
+    params: List[torch.Tensor]
+
+    def begin_step(self, hp: Any) -> None: ...
+
+    def apply(self, rows: Any = None, grad_scale: float = 1.0, grads: Any = None) -> None: ...
+
+
+def _counts_by_segment(mask: torch.Tensor, counts: Sequence[int]) -> List[int]:
+    out, start = [], 0
+    for c in counts:
+        out.append(int(mask[start : start + c].sum()) if c else 0)
+        start += c
+    return out
+
+
+class RelaxedRows:
+    """Per-engine state of the relaxed dependency over a set of sharded tables.
+
+    Args:
+        tables: the ``ShardedEmbedding`` modules (their ``weight`` order is the shard
+            optimizer's parameter order).
+        group: process group for the deferred AlltoAlls (its own, see module doc).
+        tracer: optional timeline (the deferred work appears on its own track).
+    """
+
+    def __init__(self, tables: Sequence[Any], group: Optional["dist.ProcessGroup"], tracer: Optional[Tracer] = None,
+                 on_nonfinite: Optional[Callable[[List[str]], None]] = None) -> None:
+        self.tables = list(tables)
+        self.group = group
+        self.tracer = tracer or Tracer(enabled=False)
+        self._index = {id(t): i for i, t in enumerate(self.tables)}
+        # G of the coming backward (set by next_batch) and G of the last update (what the
+        # next forward may read without waiting), as sorted global ids per table
+        self._next: List[Optional[torch.Tensor]] = [None] * len(self.tables)
+        self._updated: List[Optional[torch.Tensor]] = [None] * len(self.tables)
+        self._split_with: List[Optional[torch.Tensor]] = [None] * len(self.tables)
+        self._pending: List[tuple] = []  # (table index, work, recv rows, local rows, scale, padding, start_us)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._nonfinite: List[str] = []
+        for t in self.tables:
+            t.relaxed = self
+
+    # ------------------------------------------------------------------ next batch
+    @torch.no_grad()
+    def next_batch(self, ids_per_table: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Set ``G`` for the coming backward: the union over ranks of the ids each table
+        will look up in the next batch. Collective (an all-gather of unique ids)."""
+        world = dist.get_world_size(self.group)
+        for ti, (table, ids_list) in enumerate(zip(self.tables, ids_per_table)):
+            flat = [i.reshape(-1).long() for i in ids_list if i is not None and i.numel()]
+            mine = torch.unique(torch.cat(flat)) if flat else torch.zeros(0, dtype=torch.long)
+            mine = mine[(mine >= 0) & (mine < table.num_embeddings)]
+            n = torch.tensor([mine.numel()], dtype=torch.long)
+            sizes = [torch.zeros_like(n) for _ in range(world)]
+            dist.all_gather(sizes, n, group=table.group)
+            longest = int(max(s.item() for s in sizes))
+            padded = torch.full((longest,), -1, dtype=torch.long)
+            padded[: mine.numel()] = mine
+            parts = [torch.empty_like(padded) for _ in range(world)]
+            dist.all_gather(parts, padded, group=table.group)
+            union = torch.unique(torch.cat(parts))
+            self._next[ti] = union[union >= 0]
+            nbytes = (world - 1) * longest * 8
+            table_ledgers = [table.ledger] if table.ledger is not None else []
+            for ledger in table_ledgers:
+                ledger.record(K.IDS, nbytes, nbytes)
+
+    # ------------------------------------------------------------------ backward split
+    def push_grad_rows(self, table: Any, grad_unique: torch.Tensor, xp: Any, shard_rows: int, scale: float,
+                       padding_local: Optional[int]) -> torch.Tensor:
+        """Backward of a lookup: rows in ``G`` now (returned shard gradient), the rest
+        asynchronously (applied by :meth:`finish_step`'s thread)."""
+        ti = self._index[id(table)]
+        g = self._next[ti]
+        self._split_with[ti] = g
+        if g is None:
+            g = torch.zeros(0, dtype=torch.long)
+        start, _ = xp.plan.shard_range(xp.rank)
+        send_mask = torch.isin(xp.unique_ids, g)
+        recv_mask = torch.isin(xp.requested_local + start, g)
+        grad_unique = grad_unique.contiguous()
+        dim = grad_unique.shape[1]
+        # the rows in G: the ordinary exchange restricted to them
+        sub = _Sub(xp, send_mask, recv_mask)
+        grad = sync_push(grad_unique[send_mask], sub, shard_rows, scale, padding_local)
+        # the others: issued now on the relaxed group, completed later
+        send = grad_unique[~send_mask].contiguous()
+        recv_counts = _counts_by_segment(~recv_mask, xp.recv_counts)
+        send_counts = _counts_by_segment(~send_mask, xp.send_counts)
+        recv = grad_unique.new_empty(sum(recv_counts), dim)
+        t0 = self.tracer.now()
+        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=True)
+        rows = xp.requested_local[~recv_mask]
+        row_bytes = dim * grad_unique.element_size()
+        sent = sum(c for r, c in enumerate(send_counts) if r != xp.rank) * row_bytes
+        got = sum(c for r, c in enumerate(recv_counts) if r != xp.rank) * row_bytes
+        for ledger in xp.ledgers:
+            ledger.record(DEFERRED_GRAD_ROWS, sent, got)
+        self._pending.append((ti, work, recv, rows, scale, padding_local, t0, sent))
+        return grad
+
+    # ------------------------------------------------------------------ reads
+    def before_lookup(self, table: Any, requested_local: torch.Tensor) -> None:
+        """Called by an owner before it serves rows: wait if any is still deferred."""
+        if self._thread is None:
+            return
+        ti = self._index[id(table)]
+        start = table.shard_range[0]
+        done = self._updated[ti]
+        if done is None or not bool(torch.isin(requested_local + start, done).all()):
+            self.wait()
+
+    def before_full_read(self, table: Any = None) -> None:
+        self.wait()
+
+    # ------------------------------------------------------------------ the step
+    def priority_rows(self) -> List[torch.Tensor]:
+        """Local rows (per table) whose update is due now: those in the ``G`` the last
+        backward split with (all rows when it had none: nothing was deferred then)."""
+        out = []
+        for ti, t in enumerate(self.tables):
+            g = self._split_with[ti]
+            n = t.weight.shape[0]
+            start = t.shard_range[0]
+            if g is None and not any(p[0] == ti for p in self._pending):
+                out.append(torch.arange(n))
+            else:
+                g = g if g is not None else torch.zeros(0, dtype=torch.long)
+                local = g[(g >= start) & (g < start + n)] - start
+                out.append(local)
+        return out
+
+    def step(self, opt: RowStepper, hp: Any) -> None:
+        """Update the rows the next forward reads now; start the thread that finishes the
+        others. Call at the optimizer step, on every rank, after the sync gradients are in."""
+        self.wait()
+        prio = self.priority_rows()
+        opt.begin_step(hp)
+        opt.apply(prio)
+        grads = [p.grad for p in opt.params]  # kept: the framework may drop .grad after its step
+        rest = []
+        for ti, t in enumerate(self.tables):
+            mask = torch.ones(t.weight.shape[0], dtype=torch.bool)
+            mask[prio[ti]] = False
+            rest.append(mask.nonzero().flatten())
+        pending, self._pending = self._pending, []
+        self._updated = [self._split_with[ti] for ti in range(len(self.tables))]
+        self._split_with = [None] * len(self.tables)
+        self._next = [None] * len(self.tables)
+        self._thread = threading.Thread(target=self._finish, args=(opt, grads, rest, pending),
+                                        name="embrace-relaxed-rows", daemon=True)
+        self._thread.start()
+
+    @torch.no_grad()
+    def _finish(self, opt: RowStepper, grads: List[Optional[torch.Tensor]], rest: List[torch.Tensor],
+                pending: List[tuple]) -> None:
+        try:
+            deferred = [torch.zeros_like(p) for p in opt.params]
+            starts: Dict[int, float] = {}
+            sent_by: Dict[int, int] = {}
+            for ti, work, recv, rows, scale, padding, t0, sent in pending:
+                work.wait()
+                d = deferred[ti]
+                d.index_add_(0, rows, recv * scale if scale != 1.0 else recv)
+                if padding is not None:
+                    d[padding].zero_()
+                starts[ti] = min(starts.get(ti, t0), t0)
+                sent_by[ti] = sent_by.get(ti, 0) + sent
+            full = [(g + d) if g is not None else d for g, d in zip(grads, deferred)]
+            bad = [t.__class__.__name__ + f"[{i}]" for i, (t, f) in enumerate(zip(self.tables, full))
+                   if not bool(torch.isfinite(f[rest[i]]).all())]
+            if bad:
+                self._nonfinite = bad
+                return
+            opt.apply(rest, grads=full)
+            end = self.tracer.now()
+            for ti, t0 in starts.items():
+                self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, end, tid=DEFERRED_TID, table=ti)
+        except BaseException as exc:  # surfaced on the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the deferred rows are exchanged and updated (no collective)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"deferred embedding rows failed: {err}") from err
+
+    def take_nonfinite(self) -> List[str]:
+        """Tables whose deferred gradient rows were non-finite at the last join (local)."""
+        bad, self._nonfinite = self._nonfinite, []
+        return bad
+
+
+class _Sub:
+    """An ExchangePlan restricted to the rows in G (for the synchronous part)."""
+
+    def __init__(self, xp: Any, send_mask: torch.Tensor, recv_mask: torch.Tensor) -> None:
+        self.plan, self.group, self.rank, self.ledgers = xp.plan, xp.group, xp.rank, xp.ledgers
+        self.send_counts = _counts_by_segment(send_mask, xp.send_counts)
+        self.recv_counts = _counts_by_segment(recv_mask, xp.recv_counts)
+        self.requested_local = xp.requested_local[recv_mask]
+        self.unique_ids = xp.unique_ids[send_mask]

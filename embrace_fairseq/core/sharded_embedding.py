@@ -1,0 +1,372 @@
+"""``ShardedEmbedding``: a drop-in ``nn.Embedding`` whose rows are spread over ranks.
+
+Each rank stores only its contiguous slice of the table (``.weight``) and looks up
+the rows it needs with AlltoAll (:mod:`~embrace_fairseq.core.input_dist`, :mod:`~embrace_fairseq.core.output_dist`). Gradients come back the same way,
+scaled so that ``.grad`` holds this rank's rows of the data-parallel *average*
+gradient: exactly what DDP would leave in a replicated table's ``.grad``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from embrace_fairseq.core import native_ops
+from embrace_fairseq.core.ledger import CommLedger
+import torch.distributed as dist
+
+from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message, validate_ids
+from embrace_fairseq.core.input_dist import plan_exchange
+from embrace_fairseq.core.ledger import ledgers_for
+from embrace_fairseq.core.output_dist import ShardedLookup
+from embrace_fairseq.core.table_dist import (
+    GatherTable,
+    PendingGather,
+    PendingTableGrads,
+    PrefetchedTable,
+    gather_full,
+)
+from embrace_fairseq.core.agreement import check_same_plan
+from embrace_fairseq.core.process_group import ProcessGroup, resolve_group
+from embrace_fairseq.core.shard_plan import ShardPlan
+
+#: Attribute set on every sharded parameter so adapters can find (and skip) them.
+SHARDED_ATTR = "embrace_sharded"
+
+
+def fairseq_initial_table(
+    num_embeddings: int, embedding_dim: int, padding_idx: Optional[int], dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """The full table fairseq's ``Embedding()`` builds, drawing the RNG the same way.
+
+    fairseq constructs ``nn.Embedding`` (whose own reset draws N(0, 1)) and then
+    re-draws N(0, dim**-0.5) and zeroes the padding row. Consuming the generator
+    identically keeps every module built after the embedding identical too.
+    """
+    table = torch.empty(num_embeddings, embedding_dim, dtype=dtype)
+    table.normal_()  # nn.Embedding.reset_parameters
+    nn.init.normal_(table, mean=0.0, std=embedding_dim**-0.5)
+    if padding_idx is not None:
+        table[padding_idx].zero_()
+    return table
+
+
+class ShardedEmbedding(nn.Module):
+    """Vocab-sharded embedding table with AlltoAll lookups.
+
+    ``relaxed``: set by :class:`~embrace_fairseq.core.relaxed_rows.RelaxedRows` when some
+    rows' updates may still be in flight; reads of the table wait for them as needed.
+
+    Args:
+        num_embeddings: rows of the full table (any size, any world size).
+        embedding_dim: columns.
+        padding_idx: as in ``nn.Embedding``: a zero row that gets no gradient.
+        process_group: ranks the table is sharded over; ``None`` is the default group,
+            or a plain local embedding when torch.distributed is not initialised.
+        grad_scale: multiplier on the summed gradient rows. ``None`` (default) is
+            ``1 / world_size``: the data-parallel average.
+        ledger: an extra :class:`CommLedger` to record bytes into (the global one always is).
+        overlap_table: overlap the full-table exchange of a tied output projection with
+            compute (see :meth:`set_table_overlap`). Collective when true and sharded.
+    """
+
+    relaxed = None  # RelaxedRows or None
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        process_group: ProcessGroup = None,
+        *,
+        grad_scale: Optional[float] = None,
+        ledger: Optional[CommLedger] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+        overlap_table: bool = False,
+    ) -> None:
+        super().__init__()
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx {padding_idx} must be within the table of {num_embeddings} rows")
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.group, self.rank, self.world_size = resolve_group(process_group)
+        self.plan = ShardPlan(num_embeddings, self.world_size)
+        if self.world_size > 1:
+            # collective, once per table: a rank with another vocabulary or size stops here
+            check_same_plan(self.plan, embedding_dim, padding_idx, self.group)
+        self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
+        self.ledger = ledger
+        start, end = self.plan.shard_range(self.rank)
+        full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
+        self.weight = nn.Parameter(full[start:end].clone().to(device))
+        setattr(self.weight, SHARDED_ATTR, True)
+        # lets optimizer-state glue find the table of a parameter without the module
+        self.weight._embrace_table = weakref.ref(self)
+        self._prefetched: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._consolidated: Optional[Tuple[int, torch.Tensor]] = None
+        # overlapped full-table exchange (tied output projection)
+        self.overlap_table = False
+        self._gather_group = None
+        self._table_grads: Optional[PendingTableGrads] = None
+        self._pending_gather: Optional[Tuple[int, PendingGather]] = None  # (weight version at issue, gather)
+        self._read_full_table = False  # a projection has read the table: lookups prefetch it
+        self.set_table_overlap(overlap_table)
+
+    # ------------------------------------------------------------------ shape info
+    @property
+    def shard_range(self) -> Tuple[int, int]:
+        return self.plan.shard_range(self.rank)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def _padding_local(self) -> Optional[int]:
+        if self.padding_idx is None:
+            return None
+        start, end = self.shard_range
+        return self.padding_idx - start if start <= self.padding_idx < end else None
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s + f", shard={self.shard_range}, world_size={self.world_size}"
+
+    # ------------------------------------------------------------------ lookups
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        for i, (key, out) in enumerate(self._prefetched):
+            if key is ids:
+                del self._prefetched[i]
+                return out
+        return self.forward_many([ids])[0]
+
+    def forward_many(self, ids_list: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Look up several id tensors with a single exchange (e.g. source and target
+        tokens of a shared table). Collective when sharded."""
+        if self._read_full_table:
+            # the first lookup of a step starts the gather its output projection will wait for
+            self.prefetch_table()
+        if not self.is_sharded:
+            outs = []
+            for ids in ids_list:
+                bad = validate_ids(ids, self.num_embeddings)
+                if bad is not None:
+                    raise InvalidIdError(invalid_id_message(bad, self.num_embeddings, self.rank))
+                outs.append(F.embedding(ids, self.weight, self.padding_idx))
+            return outs
+        flat = torch.cat([ids.reshape(-1) for ids in ids_list]) if len(ids_list) > 1 else ids_list[0].reshape(-1)
+        xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger)
+        if self.relaxed is not None:
+            self.relaxed.before_lookup(self, xp.requested_local)
+            xp.relaxed, xp.table = self.relaxed, self
+        unique_rows = ShardedLookup.apply(self.weight, xp, self.grad_scale, self._padding_local)
+        rows = native_ops.expand_rows(unique_rows, xp.inverse)  # backward sums rows per unique id
+        outs, offset = [], 0
+        for ids in ids_list:
+            n = ids.numel()
+            outs.append(rows[offset : offset + n].view(*ids.shape, self.embedding_dim))
+            offset += n
+        return outs
+
+    def prefetch(self, *ids_list: torch.Tensor) -> None:
+        """Run one joint exchange now; the next ``forward`` of each of these exact
+        tensors is served from it. Lets the encoder and decoder of a tied table share
+        one exchange without changing their code."""
+        self._prefetched = list(zip(ids_list, self.forward_many(list(ids_list))))
+
+    def clear_prefetch(self) -> None:
+        self._prefetched = []
+
+    def gathered_weight(self) -> torch.Tensor:
+        """The full table as a differentiable tensor (all-gather forward, reduce-scatter
+        backward), for a tied output projection. Collective when sharded.
+
+        With the table overlap on, the gather is the one :meth:`prefetch_table` started
+        (or starts now), and the backward only issues the reduce-scatter: call
+        :meth:`finish_pending` before reading ``.grad``."""
+        if not self.is_sharded:
+            return self.weight
+        if not self._overlapping():
+            if self.relaxed is not None:
+                self.relaxed.before_full_read(self)
+            return GatherTable.apply(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
+        self._read_full_table = True
+        self.prefetch_table()
+        assert self._pending_gather is not None and self._table_grads is not None
+        version, pending = self._pending_gather
+        self._pending_gather = None
+        if version != self.weight._version:
+            # the weights changed in place since the gather was issued (every rank alike)
+            pending.wait()
+            pending = PendingGather(self.weight, self.plan, self._gather_group, ledgers_for(self.ledger))
+        return PrefetchedTable.apply(self.weight, pending, self._table_grads)
+
+    # ------------------------------------------------------------------ overlapped table exchange
+    def set_table_overlap(self, enabled: bool) -> None:
+        """Overlap the full-table exchange of a tied output projection with compute.
+
+        On: the all-gather is issued at the first lookup of a step (or by
+        :meth:`prefetch_table`) and awaited by :meth:`gathered_weight`; the backward
+        issues the gradient's reduce-scatter and returns, :meth:`finish_pending` adds it
+        to ``.grad``. Each runs on its own process group, created here: a collective,
+        call it on every rank in the same order. Tables over a subgroup, and tables under
+        the relaxed dependency, keep the synchronous exchange.
+        """
+        enabled = bool(enabled) and self.is_sharded and (dist.get_world_size(), dist.get_rank()) == (self.world_size, self.rank)
+        if not enabled:
+            if self.overlap_table:
+                self.finish_pending()
+            self.overlap_table = False
+            return
+        if self._gather_group is None:
+            ranks = list(range(self.world_size))
+            self._gather_group = dist.new_group(ranks=ranks)
+            grad_group = dist.new_group(ranks=ranks)
+            self._table_grads = PendingTableGrads(self.plan, grad_group, self.rank, self.grad_scale, ledgers_for(self.ledger))
+        self.overlap_table = True
+
+    def _overlapping(self) -> bool:
+        return self.overlap_table and self.relaxed is None and self._table_grads is not None
+
+    def prefetch_table(self) -> None:
+        """Start the all-gather of the table now unless one is in flight. Collective (on
+        the table's gather group): every rank calls it at the same point of a step, after
+        the optimizer step whose weights the projection must see."""
+        if not self._overlapping() or self._pending_gather is not None:
+            return
+        self._table_grads.ledgers = ledgers_for(self.ledger)  # a tracing ledger may have been set since
+        self._pending_gather = (
+            self.weight._version,
+            PendingGather(self.weight, self.plan, self._gather_group, self._table_grads.ledgers),
+        )
+
+    def finish_pending(self) -> None:
+        """Wait for the table-gradient reduce-scatters in flight and add them to ``.grad``;
+        drop a gather issued before this point (the step that follows changes the
+        weights). Call on every rank before anything reads ``.grad`` (norm, clipping,
+        optimizer)."""
+        if self._table_grads is not None:
+            self._table_grads.finish(self.weight)
+        self._drop_prefetched_table()
+
+    def _drop_prefetched_table(self) -> None:
+        if self._pending_gather is not None:
+            self._pending_gather[1].wait()  # every rank issued it: completes without new collectives
+            self._pending_gather = None
+
+    # ------------------------------------------------------------------ full table
+    def full_weight(self) -> torch.Tensor:
+        """The full ``(num_embeddings, embedding_dim)`` table on every rank. Collective."""
+        if not self.is_sharded:
+            return self.weight.detach().clone()
+        if self.relaxed is not None:
+            self.relaxed.before_full_read(self)
+        return gather_full(self.weight, self.plan, self.group, self.rank, self.ledger)
+
+    def gather_shard_state(self, shard_tensor: torch.Tensor) -> torch.Tensor:
+        """Full-table version of any tensor shaped like this rank's shard (e.g. an Adam
+        moment). Collective."""
+        if not self.is_sharded:
+            return shard_tensor.detach().clone()
+        if self.relaxed is not None:
+            self.relaxed.before_full_read(self)
+        return gather_full(shard_tensor, self.plan, self.group, self.rank, self.ledger)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full-table tensor (no communication)."""
+        if full.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"expected a full table of {self.num_embeddings} rows, got shape {tuple(full.shape)}"
+            )
+        start, end = self.shard_range
+        return full[start:end]
+
+    @torch.no_grad()
+    def load_full_weight(self, full: torch.Tensor) -> None:
+        """Keep this rank's rows of a full table (no communication)."""
+        if tuple(full.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"expected a table of shape ({self.num_embeddings}, {self.embedding_dim}), got {tuple(full.shape)}"
+            )
+        self._drop_prefetched_table()
+        self.weight.copy_(self.shard_of(full))
+
+    # ------------------------------------------------------------------ state dict
+    def consolidate(self) -> torch.Tensor:
+        """Gather the full table and keep it for the next ``state_dict``. Collective:
+        call on every rank before a rank-0-only save."""
+        full = self.full_weight()
+        self._consolidated = (self.weight._version, full)
+        return full
+
+    def _save_to_state_dict(self, destination: Dict, prefix: str, keep_vars: bool) -> None:
+        if not self.is_sharded:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._consolidated is None or self._consolidated[0] != self.weight._version:
+            raise RuntimeError(
+                f"state_dict() of a ShardedEmbedding spread over {self.world_size} ranks needs the full "
+                "table: call embrace_fairseq.consolidate(model) on every rank first (it is a collective)"
+            )
+        destination[prefix + "weight"] = self._consolidated[1]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        self._drop_prefetched_table()
+        key = prefix + "weight"
+        if key in state_dict and self.is_sharded:
+            tensor = state_dict[key]
+            if tensor.shape[0] == self.num_embeddings:
+                state_dict = dict(state_dict)
+                state_dict[key] = self.shard_of(tensor)
+            elif tensor.shape[0] != self.weight.shape[0]:
+                error_msgs.append(
+                    f"{key}: a sharded table of {self.num_embeddings} rows can load the full table or this "
+                    f"rank's shard of {self.weight.shape[0]} rows, not {tuple(tensor.shape)}"
+                )
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def sharded_embeddings(module: nn.Module) -> List[ShardedEmbedding]:
+    """Every distinct ShardedEmbedding inside ``module`` (tied tables appear once)."""
+    seen, out = set(), []
+    for m in module.modules():
+        if isinstance(m, ShardedEmbedding) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def consolidate(module: nn.Module) -> None:
+    """Gather every sharded table of ``module`` for the next ``state_dict``. Collective."""
+    for emb in sharded_embeddings(module):
+        emb.consolidate()
+
+
+def finish_pending(tables) -> None:
+    """:meth:`ShardedEmbedding.finish_pending` for every table of a module (or a list of
+    tables). Call on every rank before reading gradients."""
+    if isinstance(tables, nn.Module):
+        tables = sharded_embeddings(tables)
+    for emb in tables:
+        emb.finish_pending()
+
+
+def is_sharded_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, SHARDED_ATTR, False))
+
+
+def table_of(p: torch.Tensor) -> Optional[ShardedEmbedding]:
+    """The ShardedEmbedding whose shard ``p`` is, or None."""
+    ref = getattr(p, "_embrace_table", None)
+    return ref() if ref is not None else None

@@ -1,0 +1,154 @@
+"""Full-table dist: a sharded table read whole, by a tied output projection or a checkpoint.
+
+All-gather the shards (padded to equal sizes: gloo needs them), and the mirror for the
+gradient: a reduce-scatter of the full-table gradient to the rows' owners. Together
+they move what DDP's all-reduce of the table would, never more. The overlapped variant
+issues the gather early in the step and the reduce-scatter from backward, each on its
+own process group, and waits only where the table or the shard gradient is read.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from embrace_fairseq.core import ledger as K
+from embrace_fairseq.core.ledger import CommLedger, ledgers_for, record_all
+from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.trace import record_async
+
+
+def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
+    # gloo's all_gather needs equal sizes on every rank: pad shards to the largest.
+    world, rows = plan.world_size, plan.max_shard_size
+    padded = shard.new_zeros(rows, *shard.shape[1:])
+    padded[: shard.shape[0]] = shard
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    nbytes = padded.numel() * padded.element_size()
+    record_all(ledgers, K.TABLE_GATHER, (world - 1) * nbytes, (world - 1) * nbytes)
+    return torch.cat([p[:n] for p, n in zip(parts, plan.sizes)], dim=0)
+
+
+def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None) -> torch.Tensor:
+    """Full table on every rank (no autograd). Collective."""
+    with torch.no_grad():
+        return _padded_all_gather(shard.detach(), plan, group, rank, ledgers_for(ledger))
+
+
+def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:
+    """Sum a full-table gradient over ranks and keep this rank's rows (AlltoAll-based).
+
+    gloo has no reduce_scatter; an AlltoAll of row blocks followed by a local sum moves
+    the same (N-1)/N of the table a ring reduce-scatter would.
+    """
+    world = plan.world_size
+    mine = plan.shard_size(rank)
+    recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
+    dist.all_to_all_single(recv, full_grad.contiguous(), [mine] * world, plan.sizes, group=group)
+    row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
+    record_all(ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes, (world - 1) * mine * row_bytes)
+    grad = recv.view(world, mine, *full_grad.shape[1:]).sum(0)
+    if scale != 1.0:
+        grad.mul_(scale)
+    return grad
+
+
+class GatherTable(torch.autograd.Function):
+    """Autograd node: shard -> full table; backward reduce-scatters the table gradient.
+
+    This is how a tied output projection reads a sharded table: the same volume as
+    the dense all-reduce DDP would have spent on it, never more.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledger):  # type: ignore[override]
+        ctx.plan, ctx.group, ctx.rank, ctx.scale = plan, group, rank, scale
+        ctx.ledgers = ledgers_for(ledger)
+        return _padded_all_gather(shard.detach(), plan, group, rank, ctx.ledgers)
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
+        grad = reduce_scatter_rows(grad_full, ctx.plan, ctx.group, ctx.rank, ctx.scale, ctx.ledgers)
+        return grad, None, None, None, None, None
+
+
+class PendingGather:
+    """An all-gather of a table's shards in flight (gloo: padded to equal sizes)."""
+
+    def __init__(self, shard: torch.Tensor, plan: ShardPlan, group, ledgers: List[CommLedger]) -> None:
+        self.plan = plan
+        rows = plan.max_shard_size
+        with torch.no_grad():
+            padded = shard.new_zeros(rows, *shard.shape[1:])
+            padded[: shard.shape[0]] = shard.detach()
+        self._parts = [torch.empty_like(padded) for _ in range(plan.world_size)]
+        self._work = dist.all_gather(self._parts, padded, group=group, async_op=True)
+        self._padded = padded  # kept alive until the collective completes
+        nbytes = (plan.world_size - 1) * padded.numel() * padded.element_size()
+        record_async(ledgers, K.TABLE_GATHER, nbytes, nbytes, self._work)
+        self._full: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        """The full table (waits once; later calls return the same tensor)."""
+        if self._full is None:
+            self._work.wait()
+            self._full = torch.cat([p[:n] for p, n in zip(self._parts, self.plan.sizes)], dim=0)
+            self._parts, self._padded = [], None
+        return self._full
+
+
+class PendingTableGrads:
+    """Reduce-scatters of full-table gradients in flight, accumulated into a shard's
+    ``.grad`` by :meth:`finish` (one per backward through the projection)."""
+
+    def __init__(self, plan: ShardPlan, group, rank: int, scale: float, ledgers: List[CommLedger]) -> None:
+        self.plan, self.group, self.rank, self.scale, self.ledgers = plan, group, rank, scale, ledgers
+        self._inflight: List[Any] = []  # (work, recv buffer)
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def start(self, full_grad: torch.Tensor) -> None:
+        """Issue the AlltoAll of row blocks (the reduce-scatter without its local sum)."""
+        plan, world = self.plan, self.plan.world_size
+        mine = plan.shard_size(self.rank)
+        full_grad = full_grad.contiguous()
+        recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
+        work = dist.all_to_all_single(recv, full_grad, [mine] * world, plan.sizes, group=self.group, async_op=True)
+        row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
+        record_async(self.ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes,
+                      (world - 1) * mine * row_bytes, work)
+        self._inflight.append((work, recv, full_grad))
+
+    def finish(self, shard: torch.Tensor) -> None:
+        """Wait for every reduce-scatter in flight and add the results to ``shard.grad``."""
+        mine = self.plan.shard_size(self.rank)
+        while self._inflight:
+            work, recv, _ = self._inflight.pop(0)
+            work.wait()
+            grad = recv.view(self.plan.world_size, mine, *recv.shape[1:]).sum(0)
+            if self.scale != 1.0:
+                grad.mul_(self.scale)
+            with torch.no_grad():
+                if shard.grad is None:
+                    shard.grad = grad.to(shard.dtype)
+                else:
+                    shard.grad.add_(grad)
+
+
+class PrefetchedTable(torch.autograd.Function):
+    """Autograd node: shard -> full table from a gather already in flight; backward
+    issues the gradient's reduce-scatter and returns at once (no gradient to the shard
+    here: :meth:`PendingTableGrads.finish` adds it)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, pending: PendingGather, grads: PendingTableGrads):  # type: ignore[override]
+        ctx.grads = grads
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
+        ctx.grads.start(grad_full)
+        return None, None, None

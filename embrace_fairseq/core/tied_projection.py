@@ -1,0 +1,65 @@
+"""Tied output projection over a sharded table.
+
+With tied input/output embeddings the decoder's softmax layer reads the *whole*
+table. Two ways to do that with a row-sharded table (DESIGN.md):
+
+* ``gather``: all-gather the table for the projection and reduce-scatter its dense
+  gradient: the volume of the dense all-reduce DDP spends on it, never worse.
+* ``vocab_parallel``: each rank projects everyone's hidden states onto its own rows
+  and the softmax statistics are combined; it exchanges activations instead of
+  weights and wins when all ranks' tokens are fewer than the vocab. It needs a
+  vocab-parallel loss, which fairseq's criterions are not: the cost model reports
+  it, and :class:`TiedShardedProjection` uses the gather path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
+
+
+@dataclass(frozen=True)
+class ProjectionCost:
+    gather_elems: float  # per rank per step, elements
+    vocab_parallel_elems: float
+    choice: str
+
+
+def projection_cost(vocab: int, dim: int, tokens_per_rank: int, world: int) -> ProjectionCost:
+    """Elements each rank moves per step for the two tied-projection strategies."""
+    if world <= 1:
+        return ProjectionCost(0.0, 0.0, "local")
+    gather = 2.0 * (world - 1) / world * vocab * dim  # all-gather + reduce-scatter of V x D
+    # all-gather hidden states + reduce-scatter their gradients, plus 2 softmax stats per token
+    vocab_parallel = 2.0 * (world - 1) * tokens_per_rank * dim + 2.0 * world * tokens_per_rank
+    return ProjectionCost(gather, vocab_parallel, "gather" if gather <= vocab_parallel else "vocab_parallel")
+
+
+class TiedShardedProjection(nn.Module):
+    """``features @ table.T`` against a sharded table, tied to it.
+
+    The table is *not* registered as a submodule: it is owned by the embedding, and
+    the state dict stays that of the stock model (fairseq re-creates
+    ``output_projection.weight`` from ``embed_tokens.weight`` when it is missing).
+    """
+
+    def __init__(self, table: ShardedEmbedding) -> None:
+        super().__init__()
+        object.__setattr__(self, "_table", table)
+        self.in_features = table.embedding_dim
+        self.out_features = table.num_embeddings
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return F.linear(features, self._table.gathered_weight())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        # A stock checkpoint carries the tied weight under this name as well; the
+        # embedding loads it, so it is consumed here without a copy.
+        state_dict.pop(prefix + "weight", None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tied to a sharded table"

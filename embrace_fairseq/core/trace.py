@@ -1,0 +1,208 @@
+"""Chrome-trace timeline of compute phases and collectives, one file per rank.
+
+Open ``<prefix>.rank<N>.json`` in https://ui.perfetto.dev or chrome://tracing.
+Compute phases (forward, backward, optimizer step) are on one track, collectives on
+another (kind, bytes, issue to completion). :meth:`Tracer.summary` reduces the timeline
+to bytes by kind and the share of communication time hidden behind computation.
+Framework-agnostic: callers mark phases and report collectives.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from embrace_fairseq.core.ledger import CommLedger
+
+COMPUTE_TID = 0
+COMM_TID = 1
+EXCHANGE_TID = 2  # the embedding AlltoAlls, which run on the compute thread
+
+
+def _now_us() -> float:
+    return time.perf_counter() * 1e6
+
+
+def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _overlap(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            total += e - s
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+class Tracer:
+    """Collects events in memory; thread-safe. Disabled tracers cost one branch."""
+
+    def __init__(self, rank: int = 0, enabled: bool = True) -> None:
+        self.rank = rank
+        self.enabled = enabled
+        self._events: List[Dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._t0 = _now_us()
+
+    # ------------------------------------------------------------------ recording
+    def now(self) -> float:
+        return _now_us()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **args: Any) -> Iterator[None]:
+        """A compute phase (forward, backward, step) around the ``with`` body."""
+        if not self.enabled:
+            yield
+            return
+        start = _now_us()
+        try:
+            yield
+        finally:
+            self._add(name, "compute", start, _now_us(), COMPUTE_TID, args)
+
+    def compute(self, name: str, start_us: float, end_us: float, **args: Any) -> None:
+        if self.enabled:
+            self._add(name, "compute", start_us, end_us, COMPUTE_TID, args)
+
+    def collective(self, kind: str, nbytes: int, start_us: float, end_us: float, tid: int = COMM_TID, **args: Any) -> None:
+        """One collective, from issue to completion."""
+        if self.enabled:
+            self._add(kind, "comm", start_us, end_us, tid, dict(args, kind=kind, bytes=int(nbytes)))
+
+    def _add(self, name: str, cat: str, start: float, end: float, tid: int, args: Dict[str, Any]) -> None:
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": start - self._t0, "dur": max(0.0, end - start),
+              "pid": self.rank, "tid": tid, "args": args}
+        with self._lock:
+            self._events.append(ev)
+
+    # ------------------------------------------------------------------ reading
+    def events(self, cat: Optional[str] = None) -> List[Dict[str, Any]]:
+        with self._lock:
+            evs = list(self._events)
+        return [e for e in evs if cat is None or e["cat"] == cat]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events.clear()
+
+    def summary(self) -> Dict[str, Any]:
+        """Bytes and time by kind, and how much communication time overlapped compute.
+
+        ``hidden_share`` = |comm ∩ compute| / |comm| over the union of intervals; the
+        embedding exchanges run on the compute thread, so they count as exposed.
+        ``dense_started_in_backward``: dense collectives issued before their backward ended.
+        """
+        comm = self.events("comm")
+        compute = self.events("compute")
+        by_kind_bytes: Dict[str, int] = defaultdict(int)
+        by_kind_time: Dict[str, float] = defaultdict(float)
+        by_kind_calls: Dict[str, int] = defaultdict(int)
+        for e in comm:
+            k = e["args"]["kind"]
+            by_kind_bytes[k] += e["args"]["bytes"]
+            by_kind_time[k] += e["dur"] / 1e6
+            by_kind_calls[k] += 1
+        # hide behind compute only on other threads: the exchange blocks compute itself
+        async_comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm if e["tid"] != EXCHANGE_TID])
+        all_comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+        busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute])
+        comm_total = sum(e - s for s, e in all_comm)
+        hidden = _overlap(async_comm, busy)
+        backward = [(e["ts"], e["ts"] + e["dur"]) for e in compute if e["name"] == "backward"]
+        started_in_bwd = 0
+        for e in comm:
+            if e["tid"] == COMM_TID and any(s <= e["ts"] < end for s, end in backward):
+                started_in_bwd += 1
+        return {
+            "bytes_by_kind": dict(by_kind_bytes),
+            "seconds_by_kind": dict(by_kind_time),
+            "calls_by_kind": dict(by_kind_calls),
+            "comm_seconds": comm_total / 1e6,
+            "hidden_seconds": hidden / 1e6,
+            "hidden_share": (hidden / comm_total) if comm_total > 0 else 0.0,
+            "dense_collectives": sum(1 for e in comm if e["tid"] == COMM_TID),
+            "dense_started_in_backward": started_in_bwd,
+        }
+
+    def save(self, prefix: str) -> str:
+        """Write ``<prefix>.rank<N>.json`` (Chrome trace format) and return its path."""
+        path = f"{prefix}.rank{self.rank}.json"
+        d = os.path.dirname(path)
+        if d:
+            os.makedirs(d, exist_ok=True)
+        meta = [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": COMPUTE_TID, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": COMM_TID, "args": {"name": "dense all-reduce"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": EXCHANGE_TID, "args": {"name": "embedding exchange"}},
+        ]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": meta + self.events(), "displayTimeUnit": "ms", "otherData": self.summary()}, f)
+        return path
+
+
+class TracingLedger(CommLedger):
+    """A ledger that also turns each recorded collective into a trace event.
+
+    The exchange primitives record a collective right after it returns, so the record
+    time is its end. Its start is the previous mark on the same thread: the last
+    record, or a :meth:`mark` the caller sets where an exchange begins (module forward
+    pre-hook, gradient arrival in backward). An inner ledger keeps receiving records.
+    """
+
+    def __init__(self, tracer: Tracer, inner: Optional[CommLedger] = None) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.inner = inner
+        self._marks = threading.local()
+
+    def mark(self) -> None:
+        self._marks.t = _now_us()
+
+    def record(self, kind: str, sent: int, received: int) -> None:
+        super().record(kind, sent, received)
+        if self.inner is not None:
+            self.inner.record(kind, sent, received)
+        end = _now_us()
+        start = getattr(self._marks, "t", end)
+        self.tracer.collective(kind, sent, start, end, tid=EXCHANGE_TID, received=int(received))
+        self._marks.t = end
+
+
+#: trace lane of the overlapped table collectives (apart from the dense all-reduce's)
+TABLE_TID = 3
+
+
+def record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int, work: Any) -> None:
+    """Count the bytes now; a tracing ledger also gets the collective as an event from
+    its issue to its completion (taken from the work's future, not from the wait)."""
+    for ledger in ledgers:
+        if not isinstance(ledger, TracingLedger):
+            ledger.record(kind, sent, received)
+            continue
+        CommLedger.record(ledger, kind, sent, received)
+        if ledger.inner is not None:
+            ledger.inner.record(kind, sent, received)
+        tracer, start = ledger.tracer, ledger.tracer.now()
+        if tracer.enabled:
+            work.get_future().then(
+                lambda _f, t=tracer, s=start: t.collective(kind, sent, s, t.now(), tid=TABLE_TID, received=int(received))
+            )

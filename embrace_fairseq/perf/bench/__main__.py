@@ -1,0 +1,208 @@
+"""``python -m embrace_fairseq.perf.bench [--quick] [--out results/bench/<mode>]``
+
+Runs the five data-parallel strategies side by side on an emulated cluster (one
+network namespace per rank, rate-limited veth links; :mod:`.netem_cluster`), for the
+translation model and the large-vocabulary LM, on 2 and 4 ranks and the chosen link
+speeds, and writes ``bench.json``, ``report.md`` and plots to the output folder.
+``--cleanup`` removes namespaces a killed run left behind. Without namespaces
+(no root, no iproute2) it runs on loopback and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from embrace_fairseq.perf.bench import STRATEGIES
+from embrace_fairseq.perf.bench import netem_cluster as NC
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.bench", description=__doc__.split("\n\n")[1])
+    p.add_argument("--quick", action="store_true", help="2 and 4 ranks, 1 Gbit/s, fewer steps, smaller LM")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default results/bench/<quick|full>)")
+    p.add_argument("--models", default="lm,translation", help="comma list of: lm, translation")
+    p.add_argument("--worlds", default="2,4", help="comma list of rank counts")
+    p.add_argument("--gbit", default=None, help="comma list of link rates in Gbit/s (default 1 quick, 1,10 full)")
+    p.add_argument("--latency-ms", type=float, default=0.1, help="one-way rank-to-rank latency (needs sch_netem)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--steps-per-round", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--loopback", action="store_true", help="do not create namespaces: all ranks on loopback")
+    p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds per launch of the ranks")
+    p.add_argument("--cleanup", action="store_true", help="remove leftover namespaces of killed runs and exit")
+    a = p.parse_args(argv)
+    mode = "quick" if a.quick else "full"
+    a.mode = mode
+    a.out = a.out or REPO_ROOT / "results" / "bench" / mode
+    a.gbit = [float(x) for x in (a.gbit or ("1" if a.quick else "1,10")).split(",")]
+    a.rounds = a.rounds or (2 if a.quick else 4)
+    a.steps_per_round = a.steps_per_round or (4 if a.quick else 5)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    a.models = [m for m in a.models.split(",") if m]
+    a.worlds = [int(x) for x in a.worlds.split(",")]
+    a.strategies = [s for s in a.strategies.split(",") if s]
+    bad = [s for s in a.strategies if s not in STRATEGIES]
+    if bad:
+        p.error(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+    return a
+
+
+def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[NC.LinkSpec], tmp: Path,
+            log_dir: Path) -> List[Dict[str, Any]]:
+    """Start the ranks of one (model, world) in their namespaces; wait; return their results."""
+    spec = {
+        "model": model, "quick": a.quick, "data": str(a.data), "cache": str(a.cache), "out": str(a.out),
+        "tmp": str(tmp), "warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
+        "strategies": a.strategies, "links": [{"gbit": l.gbit, "latency_ms": l.latency_ms} for l in links],
+        "loopback": cluster.loopback, "cluster": {"tag": cluster.tag, "switch_ns": cluster.switch_ns},
+        "placement": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr} for p in cluster.ranks],
+        "pg_timeout_s": 600, "profile_steps": 5,
+    }
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    master = cluster.ranks[0].addr
+    port = 29500 if not cluster.loopback else _free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR=master,
+               MASTER_PORT=str(port), WORLD_SIZE=str(cluster.world_size), LOCAL_SIZE=str(cluster.world_size),
+               PYTHONWARNINGS="ignore", TORCH_CPP_LOG_LEVEL="ERROR")
+    procs = []
+    logs = []
+    for p in cluster.ranks:
+        e = dict(env, RANK=str(p.rank), LOCAL_RANK=str(p.rank), GLOO_SOCKET_IFNAME=p.ifname)
+        log = open(log_dir / f"{model}_w{cluster.world_size}_rank{p.rank}.log", "w")
+        logs.append(log)
+        cmd = p.command_prefix() + [sys.executable, "-m", "embrace_fairseq.perf.bench.worker", str(spec_path)]
+        procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
+                                      start_new_session=True))
+    deadline = time.monotonic() + a.timeout
+    try:
+        while any(pr.poll() is None for pr in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{model} on {cluster.world_size} ranks: no result within {a.timeout:.0f}s")
+            failed = [i for i, pr in enumerate(procs) if pr.poll() not in (None, 0)]
+            if failed:
+                time.sleep(3)  # give the others a moment to report
+                break
+            time.sleep(0.5)
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+                pr.wait()
+        for log in logs:
+            log.close()
+    results = []
+    for p in cluster.ranks:
+        f = tmp / f"rank{p.rank}.json"
+        res = json.loads(f.read_text()) if f.exists() else {"ok": False, "error": "no result file"}
+        if not res.get("ok"):
+            tail = (log_dir / f"{model}_w{cluster.world_size}_rank{p.rank}.log").read_text()[-3000:]
+            raise RuntimeError(f"{model} rank {p.rank} of {cluster.world_size} failed: {res.get('error')}\n{tail}")
+        results.append(res)
+    return results
+
+
+def _free_port() -> int:
+    from embrace_fairseq.core.process_group import free_port
+
+    return free_port()
+
+
+def _versions() -> Dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "fairseq-fixed", "deepspeed"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parse_args(argv)
+    if a.cleanup:
+        gone = NC.cleanup_leftovers()
+        print(f"removed {len(gone)} namespace(s): {' '.join(gone) or '-'}")
+        return 0
+    from embrace_fairseq.perf.bench.workloads import (
+        build_task_and_batches,
+        lm_dictionary,
+        lm_stream,
+        workloads,
+    )
+
+    t_start = time.time()
+    why_not = "--loopback given" if a.loopback else NC.namespaces_available()
+    loopback = why_not is not None
+    if loopback:
+        print(f"[bench] FALLBACK: ranks on loopback, no emulated links ({why_not}); "
+              "communication costs almost nothing here, so the figures do not show link-bound speed", flush=True)
+    else:
+        print(f"[bench] emulated cluster: one namespace per rank, tbf rate limit per direction"
+              f"{'' if NC.netem_available() else ' (no sch_netem in this kernel: latency not applied)'}", flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    for sub in ("traces", "logs"):
+        shutil.rmtree(a.out / sub, ignore_errors=True)
+        (a.out / sub).mkdir()
+    a.cache = Path(tempfile.gettempdir()) / "embrace_bench_cache"
+    # shared inputs once, before the ranks start (they read the cache)
+    if "lm" in a.models:
+        lm_stream(a.data, a.cache, lm_dictionary(a.data, a.cache))
+    links = [NC.LinkSpec(g, a.latency_ms) for g in a.gbit]
+    raw: List[Dict[str, Any]] = []
+    for model in a.models:
+        for world in a.worlds:
+            t0 = time.time()
+            print(f"[bench] {model}: {world} ranks, links {', '.join(l.label() for l in links)} ...", flush=True)
+            with tempfile.TemporaryDirectory(prefix="embrace_bench_") as tmp:
+                cluster = NC.Cluster.create(world, links[0], loopback=loopback)
+                try:
+                    ranks = _launch(a, model, cluster, links, Path(tmp), a.out / "logs")
+                    raw.append({"model": model, "world_size": world, "cluster": cluster.describe(), "ranks": ranks})
+                finally:
+                    cluster.close()
+            print(f"[bench] {model}: {world} ranks done in {time.time() - t0:.0f}s", flush=True)
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    from embrace_fairseq.perf.bench.report import assemble, write_outputs
+
+    meta = {
+        "mode": a.mode, "command": "python -m embrace_fairseq.perf.bench" + (" --quick" if a.quick else ""),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
+        "versions": _versions(), "fallback_loopback": loopback, "fallback_reason": why_not,
+        "latency_applied": (not loopback) and NC.netem_available(),
+        "link": {"gbit": a.gbit, "latency_ms": a.latency_ms,
+                 "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},
+        "schedule": {"warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
+                     "interleaving": "every strategy steps_per_round steps per round, order rotated each round"},
+        "threads_per_rank": 1, "wall_s": None,
+    }
+    batches = {(r["model"], r["world_size"]): build_task_and_batches(workloads(a.quick)[r["model"]], r["world_size"],
+                                                                      a.data, a.cache) for r in raw}
+    result = assemble(meta, raw, batches, a.quick)
+    result["meta"]["wall_s"] = time.time() - t_start
+    paths = write_outputs(result, a.out)
+    print(f"[bench] wrote {', '.join(str(p) for p in paths)} in {time.time() - t_start:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

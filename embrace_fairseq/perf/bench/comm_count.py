@@ -1,0 +1,121 @@
+"""Bytes the stock paths send, counted at the ``torch.distributed`` calls they make.
+
+fairseq's ``legacy_ddp``, DeepSpeed and EmbRace's exchanges all call the module-level
+functions of ``torch.distributed`` (looked up at call time), so wrapping those counts
+every collective they issue. Torch DDP (``c10d``) reduces from C++ unless a Python
+communication hook is registered; the benchmark registers torch's stock ``allreduce_hook``
+(the same collective), which calls ``torch.distributed.all_reduce``.
+
+Bytes are what one rank sends under the usual algorithms (the convention of
+:mod:`embrace_fairseq.core.ledger` and of the analytic bounds): ring all-reduce
+2(N-1)/N of the payload, all-gather (N-1) times the local part, AlltoAll the parts
+addressed to other ranks, reduce-scatter (N-1)/N of the input.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from typing import Dict, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveCounter:
+    """Per-op bytes sent by this rank while :meth:`active` (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.bytes: Dict[str, float] = defaultdict(float)
+        self.calls: Dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self.enabled = False
+
+    def add(self, op: str, nbytes: float) -> None:
+        if self.enabled:
+            with self._lock:
+                self.bytes[op] += float(nbytes)
+                self.calls[op] += 1
+
+    def take(self) -> Dict[str, float]:
+        """Bytes by op since the last take, and reset."""
+        with self._lock:
+            out = dict(self.bytes)
+            self.bytes.clear()
+            self.calls.clear()
+        return out
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else dist.get_rank()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def counting(counter: CollectiveCounter) -> Iterator[CollectiveCounter]:
+    """Wrap the ``torch.distributed`` collectives so ``counter`` sees them; restore on exit."""
+    originals = {}
+
+    def wrap(name, size_fn):
+        orig = getattr(dist, name, None)
+        if orig is None:
+            return
+        originals[name] = orig
+
+        def wrapper(*args, **kwargs):
+            try:
+                counter.add(name, size_fn(*args, **kwargs))
+            except Exception:  # counting must never change behaviour
+                pass
+            return orig(*args, **kwargs)
+
+        wrapper.__wrapped__ = orig
+        setattr(dist, name, wrapper)
+
+    def all_reduce(tensor, *a, group=None, **k):
+        n = _world(group)
+        return 2 * (n - 1) * _nbytes(tensor) / n
+
+    def all_gather(tensor_list, tensor, *a, group=None, **k):
+        return (_world(group) - 1) * _nbytes(tensor)
+
+    def all_gather_into_tensor(out, tensor, *a, group=None, **k):
+        return (_world(group) - 1) * _nbytes(tensor)
+
+    def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **k):
+        n, r = _world(group), _rank(group)
+        if input_split_sizes:
+            row = _nbytes(inp) / max(1, inp.shape[0]) if inp.dim() else 0
+            return sum(s for i, s in enumerate(input_split_sizes) if i != r) * row
+        return _nbytes(inp) * (n - 1) / n
+
+    def all_to_all(out_list, in_list, group=None, **k):
+        r = _rank(group)
+        return sum(_nbytes(t) for i, t in enumerate(in_list) if i != r)
+
+    def reduce_scatter_tensor(out, inp, *a, group=None, **k):
+        n = _world(group)
+        return _nbytes(inp) * (n - 1) / n
+
+    def broadcast(tensor, src=0, group=None, **k):
+        return _nbytes(tensor) if _rank(group) == src else 0
+
+    wrap("all_reduce", all_reduce)
+    wrap("all_gather", all_gather)
+    wrap("all_gather_into_tensor", all_gather_into_tensor)
+    wrap("all_to_all_single", all_to_all_single)
+    wrap("all_to_all", all_to_all)
+    wrap("reduce_scatter_tensor", reduce_scatter_tensor)
+    wrap("broadcast", broadcast)
+    try:
+        yield counter
+    finally:
+        for name, orig in originals.items():
+            setattr(dist, name, orig)

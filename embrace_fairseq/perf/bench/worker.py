@@ -1,0 +1,257 @@
+"""One benchmark rank: builds every strategy once, then runs them interleaved.
+
+Started by :mod:`embrace_fairseq.perf.bench.__main__` inside the rank's network namespace
+(``ip netns exec``) with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` and
+``GLOO_SOCKET_IFNAME`` set; ``python -m embrace_fairseq.perf.bench.worker SPEC.json``.
+
+For each link setting: rank 0 reshapes the links (between barriers), every strategy
+takes ``warmup`` steps, then ``rounds`` rounds in which every strategy takes
+``steps_per_round`` timed steps (the order rotates each round, so machine noise and
+the link's state hit all strategies alike). Each timed step starts after a barrier.
+The rank writes ``rank<N>.json``: per strategy and link the step times, losses, bytes
+by kind (EmbRace's ledger; the counted collectives for the stock paths), the bytes
+its NIC sent (``tx_bytes`` in its namespace) and, for EmbRace, the trace summary.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+
+def _tx_bytes(path: str) -> float:
+    try:
+        with open(path) as f:
+            return float(f.read().strip())
+    except OSError:
+        return float("nan")
+
+
+def _ledger_bytes(snapshot: Dict[str, Dict[str, int]]) -> Dict[str, float]:
+    return {k: float(v) for k, v in snapshot["sent"].items()}
+
+
+def _diff(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)
+            if after.get(k, 0.0) - before.get(k, 0.0) != 0}
+
+
+# stock paths: counted op -> report kind
+_STOCK_KINDS = {"all_reduce": "dense_allreduce", "all_gather": "sparse_allgather",
+                "all_gather_into_tensor": "sparse_allgather", "broadcast": "broadcast",
+                "all_to_all_single": "alltoall", "reduce_scatter_tensor": "reduce_scatter"}
+# EmbRace ledger kind -> report kind
+_LEDGER_KINDS = {"dense_grad": "dense_allreduce"}
+
+
+_T0 = time.time()
+
+
+def _log(rank: int, msg: str) -> None:
+    print(f"[rank {rank} +{time.time() - _T0:.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory op at start-up that serves only
+    ``inference_all_reduce`` (training reduces through torch.distributed). Marking it
+    unavailable skips the compile (and its lock, shared with every other DeepSpeed process
+    of the machine); the collectives of every strategy are unchanged."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def run(spec: Dict[str, Any]) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    import embrace_fairseq.fairseq_adapter  # noqa: F401  (archs, CPU fixes)
+    from embrace_fairseq.core.ledger import global_ledger
+
+    from embrace_fairseq.perf.bench import strategies as S
+    from embrace_fairseq.perf.bench import workloads as W
+    from embrace_fairseq.perf.bench.comm_count import CollectiveCounter, counting
+    from embrace_fairseq.perf.bench.netem_cluster import Cluster, LinkSpec, RankPlacement
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _skip_shm_comm_build()
+    _log(rank, "imported")
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
+    w = W.workloads(spec["quick"])[spec["model"]]
+    data, cache = Path(spec["data"]), Path(spec["cache"])
+    batches = W.build_task_and_batches(w, world, data, cache)
+    counter = CollectiveCounter()
+    trace_dir = Path(spec["out"]) / "traces"
+    built: Dict[str, Any] = {}
+    t_build = time.perf_counter()
+    for name in spec["strategies"]:
+        prefix = str(Path(spec["tmp"]) / f"trace_{name}") if name in S.EMBRACE else None
+        built[name] = S.build(name, w, batches.task, data, counter, trace_prefix=prefix)
+    build_s = time.perf_counter() - t_build
+    _log(rank, f"built {len(built)} strategies in {build_s:.0f}s")
+    place = RankPlacement(**spec["placement"][rank])
+    tx_path = place.tx_bytes_path()
+    results: Dict[str, Any] = {"rank": rank, "world_size": world, "build_s": build_s, "links": []}
+    ledger = global_ledger()
+
+    with counting(counter):
+        for li, link_d in enumerate(spec["links"]):
+            link = LinkSpec(**link_d)
+            dist.barrier()
+            if li > 0 and rank == 0 and not spec["loopback"]:
+                c = Cluster(world, spec["cluster"]["tag"], False,
+                            ranks=[RankPlacement(**p) for p in spec["placement"]],
+                            switch_ns=spec["cluster"]["switch_ns"])
+                c.set_link(link)
+            dist.barrier()
+            _log(rank, f"link {link.label()}: warm-up")
+            for name in spec["strategies"]:
+                s = built[name]
+                for _ in range(spec["warmup"]):
+                    s.step(batches.get(s.steps_done, rank))
+            per: Dict[str, Dict[str, Any]] = {
+                n: {"step_s": [], "loss": [], "bytes": {}, "counted": {}, "wire": 0.0, "steps": 0,
+                    "batch_steps": [], "tokens": 0}
+                for n in spec["strategies"]}
+            for n in S.EMBRACE:
+                if n in built and built[n].hook is not None:
+                    built[n].hook.tracer.clear()
+            names = list(spec["strategies"])
+            for r in range(spec["rounds"]):
+                _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']}")
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    s, rec = built[name], per[name]
+                    counter.take()
+                    counter.enabled = True
+                    led0 = _ledger_bytes(ledger.snapshot())
+                    tx0 = _tx_bytes(tx_path)
+                    for _ in range(spec["steps_per_round"]):
+                        batch = batches.get(s.steps_done, rank)
+                        rec["batch_steps"].append(s.steps_done)
+                        rec["tokens"] += int(batch["ntokens"])
+                        counter.enabled = False
+                        dist.barrier()
+                        counter.enabled = True
+                        t0 = time.perf_counter()
+                        loss = s.step(batch)
+                        rec["step_s"].append(time.perf_counter() - t0)
+                        rec["loss"].append(loss)
+                        rec["steps"] += 1
+                    counter.enabled = False
+                    rec["wire"] += _tx_bytes(tx_path) - tx0
+                    for k, v in _diff(_ledger_bytes(ledger.snapshot()), led0).items():
+                        k = _LEDGER_KINDS.get(k, k)
+                        rec["bytes"][k] = rec["bytes"].get(k, 0.0) + v
+                    for k, v in counter.take().items():
+                        rec["counted"][k] = rec["counted"].get(k, 0.0) + v
+            out_link: Dict[str, Any] = {"link": link_d, "strategies": {}}
+            for name in names:
+                rec = per[name]
+                n = max(1, rec["steps"])
+                if name in S.EMBRACE:
+                    by_kind = {k: v / n for k, v in rec["bytes"].items()}
+                else:
+                    by_kind = {}
+                    for k, v in rec["counted"].items():
+                        kk = _STOCK_KINDS.get(k, k)
+                        by_kind[kk] = by_kind.get(kk, 0.0) + v / n
+                entry = {"step_s": rec["step_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
+                         "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
+                         "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
+                         "tokens": rec["tokens"], "batch_steps": rec["batch_steps"]}
+                hook = built[name].hook
+                if hook is not None:
+                    summ = hook.tracer.summary()
+                    entry["trace_summary"] = summ
+                    entry["hidden_share"] = summ.get("hidden_share")
+                    tdir = trace_dir / f"{spec['model']}_w{world}_{link.label()}"
+                    path = hook.tracer.save(str(tdir / name))
+                    entry["trace"] = os.path.relpath(path, spec["out"])
+                    hook.tracer.clear()
+                out_link["strategies"][name] = entry
+            results["links"].append(out_link)
+
+    # compute profile: one process at a time, no communication (rank 0; the others wait)
+    dist.barrier()
+    if rank == 0:
+        results["compute_profile"] = _profile(built, batches, spec, w)
+    dist.barrier()
+    for s in built.values():
+        if s.hook is not None:
+            s.hook._closed = True  # traces were saved per link above
+    return results
+
+
+def _profile(built, batches, spec, w) -> Dict[str, Any]:
+    """Median forward / backward / optimizer seconds of the stock model alone."""
+    from embrace_fairseq.perf.bench import workloads as W
+
+    s = built.get("fairseq_legacy_ddp") or next(iter(built.values()))
+    model = s.module
+    criterion, opt = s.extra["criterion"], s.extra["optimizer"]
+    if s.engine is not None:  # only DeepSpeed strategies built: a local copy of the stock model
+        model = W.build_model(w, w.stock_arch, batches.task, Path(spec["data"]))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    fwd, bwd, st = [], [], []
+    for i in range(spec["profile_steps"]):
+        batch = batches.get(i, 0)
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss, ss, _ = criterion(model, batch)
+        loss = loss / max(1, ss)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if i > 0:
+            fwd.append(t1 - t0), bwd.append(t2 - t1), st.append(t3 - t2)
+    table = W.token_table_name(w)
+    params = dict(model.named_parameters())
+    return {
+        "compute_s": {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
+                      "optimizer": statistics.median(st)},
+        "dense_layers": W.dense_layers(model, w),
+        "dense_numel": int(sum(p.numel() for n, p in params.items() if n != table)),
+        "vocab": int(params[table].shape[0]),
+        "dim": int(params[table].shape[1]),
+    }
+
+
+def main(argv: List[str] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    rank = int(os.environ["RANK"])
+    out = Path(spec["tmp"]) / f"rank{rank}.json"
+    try:
+        res = run(spec)
+        res["ok"] = True
+    except BaseException as exc:  # report, then fail
+        import traceback
+
+        res = {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        out.write_text(json.dumps(res))
+        print(res["traceback"], file=sys.stderr, flush=True)
+        return 1
+    out.write_text(json.dumps(res))
+    try:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The benchmark's two models and their batches, built with fairseq from the prepared data.
+
+* ``translation``: the main job's Transformer (2+2 layers, d=256, ffn 512, 4 heads,
+  all embeddings tied, joint 8k sentencepiece vocabulary) on the German-English
+  LibreOffice help (``data/deen/bin``), batched by fairseq's ``batch_by_size``.
+* ``lm``: a Transformer LM over a word-level dictionary of the whole State of the Union
+  text (every whitespace token of train, valid and test: 66k types), trained on the
+  train split in blocks of ``tokens_per_sample``. Input embedding untied from an
+  adaptive softmax output, so the input table dominates the parameters, as in the
+  large-vocabulary LMs EmbRace targets (a tied output would move the full table in
+  every strategy).
+
+Both strategies of a pair (stock / EmbRace) are built from the same fairseq arguments
+with the same seed; batch ``(step, rank)`` is a pure function of the workload and the
+world size, so every strategy trains on the same data.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str  # "translation" | "lm"
+    stock_arch: str
+    embrace_arch: str
+    model_args: Tuple[str, ...]
+    task_args: Tuple[str, ...]
+    tokens_per_rank: int  # translation: fairseq --max-tokens; lm: blocks x tokens_per_sample
+    tokens_per_sample: int = 0
+    criterion: str = "cross_entropy"
+
+
+TRANSLATION_MODEL = (
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
+    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--share-all-embeddings", "--dropout", "0.0",
+)
+
+
+def workloads(quick: bool) -> Dict[str, Workload]:
+    """The two models; quick mode keeps the translation model and shrinks the LM and the batches."""
+    lm_dim = 96 if quick else 192
+    lm_layers = 1 if quick else 2
+    return {
+        "translation": Workload(
+            "translation", "transformer", "embrace_transformer", TRANSLATION_MODEL,
+            ("--task", "translation", "--source-lang", "de", "--target-lang", "en"),
+            tokens_per_rank=384 if quick else 512,
+        ),
+        "lm": Workload(
+            "lm", "transformer_lm", "embrace_transformer_lm",
+            ("--decoder-layers", str(lm_layers), "--decoder-embed-dim", str(lm_dim),
+             "--decoder-input-dim", str(lm_dim), "--decoder-output-dim", str(lm_dim),
+             "--decoder-ffn-embed-dim", str(4 * lm_dim), "--decoder-attention-heads", "4",
+             "--adaptive-softmax-cutoff", "5000,20000", "--adaptive-softmax-factor", "4",
+             "--dropout", "0.0", "--adaptive-softmax-dropout", "0.0"),
+            ("--task", "language_modeling"),
+            tokens_per_rank=4 * 128, tokens_per_sample=128, criterion="adaptive_loss",
+        ),
+    }
+
+
+# ---------------------------------------------------------------------- fairseq arguments, task, model
+
+
+def fairseq_args(w: Workload, arch: str, data: Path) -> Any:
+    import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers embrace_* archs, CPU fixes)
+    from fairseq import options
+
+    data_dir = data / ("deen/bin" if w.name == "translation" else "lm/bin")
+    argv = [str(data_dir), *w.task_args, "--arch", arch, *w.model_args, "--cpu", "--seed", "1",
+            "--criterion", w.criterion]
+    if w.tokens_per_sample:
+        argv += ["--tokens-per-sample", str(w.tokens_per_sample)]
+    parser = options.get_training_parser()
+    return options.parse_args_and_arch(parser, input_args=argv)
+
+
+class BenchTask(SimpleNamespace):
+    """What ``build_model`` and the criterions read from a fairseq task."""
+
+
+def lm_dictionary(data: Path, cache_dir: Path):
+    """Word-level fairseq Dictionary over all SOTU text (cached as a dict.txt)."""
+    from fairseq.data import Dictionary
+
+    path = cache_dir / "sotu_words.dict.txt"
+    if path.exists():
+        return Dictionary.load(str(path))
+    counts: collections.Counter = collections.Counter()
+    for split in ("train", "valid", "test"):
+        with open(data / "lm" / "raw" / f"{split}.txt", encoding="utf-8") as f:
+            for line in f:
+                counts.update(line.split())
+    d = Dictionary()
+    for word, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        d.add_symbol(word, n)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    d.save(str(tmp))
+    os.replace(tmp, path)
+    return d
+
+
+def lm_stream(data: Path, cache_dir: Path, dictionary) -> torch.Tensor:
+    """The train split as word ids (one eos per line), cached next to the dictionary."""
+    path = cache_dir / "sotu_train_words.pt"
+    if path.exists():
+        return torch.load(path)
+    ids: List[int] = []
+    with open(data / "lm" / "raw" / "train.txt", encoding="utf-8") as f:
+        for line in f:
+            ids.extend(dictionary.index(w) for w in line.split())
+            ids.append(dictionary.eos())
+    t = torch.tensor(ids, dtype=torch.long)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(t, tmp)
+    os.replace(tmp, path)
+    return t
+
+
+@dataclass
+class Batches:
+    """Batch ``(step, rank)`` of a workload for a world size."""
+
+    workload: Workload
+    world_size: int
+    task: Any
+    _pairs: Any = None  # translation: LanguagePairDataset
+    _batches: List[List[int]] = field(default_factory=list)
+    _stream: Optional[torch.Tensor] = None
+
+    def get(self, step: int, rank: int) -> Dict[str, Any]:
+        w = self.workload
+        if w.name == "translation":
+            idx = self._batches[(step * self.world_size + rank) % len(self._batches)]
+            return self._pairs.collater([self._pairs[i] for i in idx])
+        n_blocks = w.tokens_per_rank // w.tokens_per_sample
+        span = w.tokens_per_sample + 1
+        start = (step * self.world_size + rank) * n_blocks * span
+        start %= max(1, self._stream.numel() - n_blocks * span)
+        blocks = self._stream[start:start + n_blocks * span].view(n_blocks, span)
+        src, tgt = blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous()
+        return {"id": torch.arange(n_blocks), "nsentences": n_blocks, "ntokens": int(tgt.numel()),
+                "net_input": {"src_tokens": src, "src_lengths": torch.full((n_blocks,), w.tokens_per_sample)},
+                "target": tgt}
+
+    def ids(self, step: int, rank: int) -> torch.Tensor:
+        """Every id the batch looks up in the token table (one exchange per step)."""
+        b = self.get(step, rank)
+        parts = [b["net_input"]["src_tokens"].reshape(-1)]
+        if "prev_output_tokens" in b["net_input"]:
+            parts.append(b["net_input"]["prev_output_tokens"].reshape(-1))
+        return torch.cat(parts)
+
+
+def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: Path) -> Batches:
+    """Dictionaries (the fairseq task stand-in) and the batch source."""
+    if w.name == "translation":
+        from fairseq.data import Dictionary, LanguagePairDataset, data_utils
+
+        d = data / "deen" / "bin"
+        src_dict, tgt_dict = Dictionary.load(str(d / "dict.de.txt")), Dictionary.load(str(d / "dict.en.txt"))
+        src = data_utils.load_indexed_dataset(str(d / "train.de-en.de"), src_dict)
+        tgt = data_utils.load_indexed_dataset(str(d / "train.de-en.en"), tgt_dict)
+        if src is None or tgt is None:
+            raise FileNotFoundError(f"no binarised train split under {d}; run python -m embrace_fairseq.data_prep")
+        pairs = LanguagePairDataset(src, src.sizes, src_dict, tgt, tgt.sizes, tgt_dict,
+                                    left_pad_source=True, left_pad_target=False)
+        # fairseq's batching: sort by length, pack to --max-tokens, shuffle the batches
+        with data_utils.numpy_seed(1):
+            order = pairs.ordered_indices()
+        batches = [list(b) for b in pairs.batch_by_size(order, max_tokens=w.tokens_per_rank)]
+        g = torch.Generator().manual_seed(1)
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        task = BenchTask(source_dictionary=src_dict, target_dictionary=tgt_dict)
+        return Batches(w, world_size, task, _pairs=pairs, _batches=batches)
+    dictionary = lm_dictionary(data, cache_dir)
+    stream = lm_stream(data, cache_dir, dictionary)
+    task = BenchTask(source_dictionary=dictionary, target_dictionary=dictionary)
+    return Batches(w, world_size, task, _stream=stream)
+
+
+def build_model(w: Workload, arch: str, task: Any, data: Path, seed: int = 1) -> torch.nn.Module:
+    """A fairseq model (stock or EmbRace arch) with the workload's arguments and seed."""
+    from fairseq import models
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    # as fairseq-train does: arguments -> config -> models.build_model
+    cfg = convert_namespace_to_omegaconf(fairseq_args(w, arch, data))
+    torch.manual_seed(seed)
+    return models.build_model(cfg.model, task)
+
+
+def build_criterion(w: Workload, task: Any):
+    if w.criterion == "adaptive_loss":
+        from fairseq.criterions.adaptive_loss import AdaptiveLoss
+
+        return AdaptiveLoss(task, sentence_avg=False)
+    from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+
+    return CrossEntropyCriterion(task, sentence_avg=False)
+
+
+def token_table_name(w: Workload) -> str:
+    return "encoder.embed_tokens.weight" if w.name == "translation" else "decoder.embed_tokens.weight"
+
+
+def dense_layers(model: torch.nn.Module, w: Workload) -> List[Dict[str, Any]]:
+    """Replicated parameters grouped by layer, in registration (= forward) order."""
+    table = token_table_name(w)
+    groups: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+    for name, p in model.named_parameters():
+        if name == table:
+            continue
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ".".join(parts[:-1])
+        groups[key] = groups.get(key, 0) + p.numel()
+    return [{"name": k, "numel": int(v)} for k, v in groups.items()]

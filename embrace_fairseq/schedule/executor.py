@@ -1,0 +1,247 @@
+"""Executes a static :class:`~embrace_fairseq.schedule.plan.Schedule` during backward.
+
+Each dense parameter gets a post-accumulate-grad hook that marks its gradient ready.
+A communication thread walks the issue list in order: it waits until the item's
+bucket is complete, waits for a credit, and issues the piece as an asynchronous
+all-reduce. Because the order is the list's, every rank pairs the same collectives
+whatever its timing; a slow rank only makes the others wait.
+
+The all-reduces run on a process group of their own: the embedding AlltoAlls of the
+autograd thread use the default group, and two threads sharing one group would
+interleave their collectives in timing-dependent order.
+
+Average convention: the sum over ranks divided by the world size (what DDP and stock
+DeepSpeed leave in ``.grad``). Framework-agnostic: the caller says when a backward
+is the one to reduce (``active``) and calls :meth:`finish` before the optimizer step.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from embrace_fairseq.core import ledger as K
+from embrace_fairseq.core.ledger import CommLedger, global_ledger
+from embrace_fairseq.schedule.plan import Schedule
+from embrace_fairseq.core.trace import Tracer
+
+
+class ExchangeGate:
+    """The embedding exchange as the first item of the schedule: while a table's gradient
+    exchange is in flight (entered when its rows' gradient arrives in backward, left when
+    the shard gradient is accumulated), the communication thread issues no new dense
+    piece, so the exchange the next forward needs first does not queue behind them.
+    Pieces already issued complete; the per-group issue order is unchanged."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self._busy += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            if self._busy > 0:
+                self._busy -= 1
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        with self._cond:
+            self._busy = 0
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def idle(self):
+        """Hold the gate closed to exchanges while issuing one piece."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            yield
+
+
+class ScheduledAllReduce:
+    """Scheduled, overlapped all-reduce of replicated gradients.
+
+    Args:
+        params: the dense parameters, in the order the schedule's specs were built from.
+        schedule: the static plan (same on every rank).
+        group: process group for the all-reduces (give it one of its own, see module doc).
+        overlap: issue during backward; off issues the same list in :meth:`finish`,
+            after backward, where stock data parallel engines reduce.
+        active: says whether the running backward is one whose gradients get reduced
+            (gradient accumulation reduces only at the boundary).
+        ledger, tracer: byte accounting and timeline (optional).
+        gate: an :class:`ExchangeGate`: no piece is issued while an embedding exchange is in flight.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        schedule: Schedule,
+        group: Optional["dist.ProcessGroup"],
+        *,
+        overlap: bool = True,
+        active: Callable[[], bool] = lambda: True,
+        ledger: Optional[CommLedger] = None,
+        tracer: Optional[Tracer] = None,
+        gate: Optional[ExchangeGate] = None,
+    ) -> None:
+        if len(params) != len(schedule.tensors):
+            raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
+        self.params = list(params)
+        self.schedule = schedule
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.overlap = overlap
+        self.active = active
+        self.ledgers = [global_ledger()] + ([ledger] if ledger is not None and ledger is not global_ledger() else [])
+        self.tracer = tracer or Tracer(enabled=False)
+        self.gate = gate
+        self._bucket_of = {}
+        for b in schedule.buckets:
+            for t in b.tensors:
+                self._bucket_of[t] = b.index
+        self._flat: List[Optional[torch.Tensor]] = [None] * len(schedule.buckets)
+        self._lock = threading.Lock()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        self._reset()
+
+    # ------------------------------------------------------------------ per step state
+    def _reset(self) -> None:
+        self._started = False
+        self._ready = [False] * len(self.params)
+        self._missing = [len(b.tensors) for b in self.schedule.buckets]
+        self._events = [threading.Event() for _ in self.schedule.buckets]
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def remove(self) -> None:
+        """Detach the hooks (the object is unusable afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ readiness
+    def _hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self.active():
+                return
+            if not self._started:
+                self._begin()
+                # runs once the whole backward is done: covers parameters without a gradient
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._mark(i)
+
+        return hook
+
+    def _begin(self) -> None:
+        self._started = True
+        if self.overlap:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="embrace-allreduce", daemon=True)
+            self._thread.start()
+
+    def _mark(self, i: int) -> None:
+        with self._lock:
+            if self._ready[i]:
+                return
+            self._ready[i] = True
+            b = self._bucket_of[i]
+            self._missing[b] -= 1
+            if self._missing[b] == 0:
+                self._events[b].set()
+
+    def _end_of_backward(self) -> None:
+        self._mark_all()
+        if self.overlap:
+            self._start_thread()
+
+    def _mark_all(self) -> None:
+        # A parameter unused in this step still takes part (as zeros, like stock
+        # DeepSpeed): every rank must reduce the same buffers.
+        for i, p in enumerate(self.params):
+            if not self._ready[i]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._mark(i)
+
+    # ------------------------------------------------------------------ communication
+    def _flatten(self, b: int) -> torch.Tensor:
+        bucket = self.schedule.buckets[b]
+        grads = [self.params[t].grad.detach().reshape(-1) for t in bucket.tensors]
+        flat = self._flat[b]
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = self._flat[b] = torch.empty(bucket.numel, dtype=grads[0].dtype, device=grads[0].device)
+        torch.cat(grads, out=flat)
+        return flat
+
+    def _run(self) -> None:
+        try:
+            pending: List[tuple] = []  # (work, piece, start_us), FIFO
+            flattened = set()
+            credit = self.schedule.options.max_in_flight
+            for piece in self.schedule.issue_order:
+                self._events[piece.bucket].wait()
+                if piece.bucket not in flattened:
+                    self._flatten(piece.bucket)
+                    flattened.add(piece.bucket)
+                while len(pending) >= credit:
+                    self._complete(pending.pop(0))
+                view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
+                with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
+                    start = self.tracer.now()
+                    work = dist.all_reduce(view, group=self.group, async_op=True)
+                pending.append((work, piece, start))
+            while pending:
+                self._complete(pending.pop(0))
+        except BaseException as exc:  # surfaced by finish() on the training thread
+            self._error = exc
+
+    def _complete(self, item: tuple) -> None:
+        work, piece, start = item
+        work.wait()
+        end = self.tracer.now()
+        esize = self._flat[piece.bucket].element_size()
+        # ring all-reduce: each rank sends and receives 2 (N-1)/N of the payload
+        nbytes = 2 * (self.world_size - 1) * piece.numel * esize // max(1, self.world_size)
+        for ledger in self.ledgers:
+            ledger.record(K.DENSE_GRAD, nbytes, nbytes)
+        self.tracer.collective(K.DENSE_GRAD, piece.nbytes, start, end, bucket=piece.bucket, piece=piece.index)
+
+    # ------------------------------------------------------------------ completion
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for every piece, then leave the averaged gradients in ``.grad``.
+
+        Call on every rank before the optimizer step of a reducing backward. Also
+        safe when no hook fired (e.g. a step without dense gradients): the list is
+        then run in full on zeros, as on every other rank.
+        """
+        if not self._started:
+            self._started = True
+        self._mark_all()
+        self._start_thread()
+        self._thread.join()
+        error = self._error
+        try:
+            if error is not None:
+                raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
+            for bucket in self.schedule.buckets:
+                flat = self._flat[bucket.index]
+                if self.world_size > 1:
+                    flat.div_(self.world_size)
+                offset = 0
+                for t in bucket.tensors:
+                    g = self.params[t].grad
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        finally:
+            self._reset()

@@ -1,0 +1,315 @@
+"""Tiny synthetic corpora and launchers for tests that run the real fairseq command-line tools.
+
+Everything runs in real processes (``fairseq-preprocess``, ``torchrun ... fairseq-train``,
+``fairseq-generate``), from the virtual environment that runs the tests, so the tests exercise
+exactly what a user types.
+
+* :func:`make_translation_corpus` / :func:`make_lm_corpus` write random-token text over a small
+  vocabulary and binarise it with ``fairseq-preprocess``; they return the data-bin folder.
+* :func:`run_fairseq_train` launches ``torchrun --nproc_per_node N fairseq-train ...`` on a free
+  port and parses the ``--log-format json`` records.
+* :func:`run_fairseq_tool` runs any other console script (``fairseq-generate``, ...) in one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from embrace_fairseq.tools.local_ranks import free_port  # noqa: F401  (re-exported for tests)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+USER_DIR = REPO_ROOT / "user_dir"
+# The venv's bin folder, found from the running interpreter. Not resolved: the interpreter is
+# usually a symlink to the base Python, whose bin folder has no fairseq scripts.
+VENV_BIN = Path(sys.executable).parent
+
+PathLike = Union[str, os.PathLike]
+
+# "2026-01-01 00:00:00 | INFO | train_inner | {...}": fairseq's log format (fairseq_cli/*.py).
+_LOG_LINE = re.compile(r"^\S+ \S+ \| (?P<level>[A-Z]+) \| (?P<name>[^|]+?) \| (?P<msg>.*)$")
+
+
+def venv_script(name: str) -> str:
+    """Absolute path of a console script (``fairseq-train``, ``torchrun``...) of the test venv."""
+    path = VENV_BIN / name
+    if not path.exists():
+        raise FileNotFoundError(f"{name} not found in {VENV_BIN}")
+    return str(path)
+
+
+def fairseq_env(
+    env: Optional[Mapping[str, str]] = None, *, keep_weights_only_override: bool = False
+) -> Dict[str, str]:
+    """Environment for a fairseq child process.
+
+    - ``PYTHONPATH`` gets the repository root, so ``--user-dir user_dir`` can import
+      ``embrace_fairseq`` without an editable install.
+    - ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is removed unless asked for: tests must show that
+      checkpoints load under torch's default ``weights_only=True``.
+    - One OpenMP thread per process: the ranks share a couple of cores.
+    - ``env`` entries are applied last and win.
+    """
+    out = dict(os.environ)
+    if not keep_weights_only_override:
+        out.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    # A stale torchrun environment from an outer launcher would make a child believe it is a rank.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        out.pop(key, None)
+    paths = [str(REPO_ROOT)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    out.setdefault("OMP_NUM_THREADS", "1")
+    out.setdefault("DS_ACCELERATOR", "cpu")
+    if env:
+        out.update(env)
+    return out
+
+
+def _run(cmd: Sequence[str], *, cwd: Optional[PathLike], env: Mapping[str, str], timeout: float,
+         check: bool, input_text: Optional[str] = None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(
+            list(cmd), cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout,
+            input=input_text, stdin=None if input_text is not None else subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(
+            f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out[-4000:]}\n"
+            f"--- stderr\n{err[-4000:]}"
+        ) from None
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+# --------------------------------------------------------------------------- corpora
+
+
+def _random_sentences(rng: random.Random, n: int, vocab: Sequence[str], min_len: int,
+                      max_len: int) -> List[List[str]]:
+    return [[rng.choice(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def _write_lines(path: Path, sentences: Sequence[Sequence[str]]) -> None:
+    path.write_text("".join(" ".join(s) + "\n" for s in sentences), encoding="utf-8")
+
+
+def make_translation_corpus(
+    tmpdir: PathLike,
+    *,
+    n_train: int = 300,
+    n_valid: int = 30,
+    n_test: int = 20,
+    vocab_size: int = 50,
+    min_len: int = 3,
+    max_len: int = 12,
+    src: str = "src",
+    tgt: str = "tgt",
+    seed: int = 0,
+    extra_preprocess_args: Sequence[str] = (),
+    timeout: float = 120,
+) -> Path:
+    """Write a random parallel corpus and binarise it with a joined dictionary.
+
+    The target is a fixed word-for-word mapping of the source (a permutation of the vocabulary),
+    reversed, so a model can learn something. Raw text goes to ``tmpdir/raw``, binarised data to
+    ``tmpdir/data-bin``, which is returned (``train``, ``valid``, ``test`` splits).
+    """
+    tmp = Path(tmpdir)
+    raw, dest = tmp / "raw", tmp / "data-bin"
+    raw.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(vocab_size)]
+    perm = vocab[:]
+    rng.shuffle(perm)
+    mapping = dict(zip(vocab, perm))
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        sents = _random_sentences(rng, n, vocab, min_len, max_len)
+        _write_lines(raw / f"{split}.{src}", sents)
+        _write_lines(raw / f"{split}.{tgt}", [[mapping[w] for w in reversed(s)] for s in sents])
+    cmd = [
+        venv_script("fairseq-preprocess"),
+        "--source-lang", src, "--target-lang", tgt,
+        "--trainpref", str(raw / "train"), "--validpref", str(raw / "valid"),
+        "--testpref", str(raw / "test"),
+        "--destdir", str(dest), "--joined-dictionary", "--workers", "1",
+        *extra_preprocess_args,
+    ]
+    _run(cmd, cwd=tmp, env=fairseq_env(), timeout=timeout, check=True)
+    return dest
+
+
+def make_lm_corpus(
+    tmpdir: PathLike,
+    *,
+    n_train: int = 300,
+    n_valid: int = 30,
+    n_test: int = 20,
+    vocab_size: int = 50,
+    min_len: int = 5,
+    max_len: int = 20,
+    seed: int = 0,
+    extra_preprocess_args: Sequence[str] = (),
+    timeout: float = 120,
+) -> Path:
+    """Write a random monolingual corpus and binarise it (``--only-source``) for language models.
+
+    Returns ``tmpdir/data-bin`` with ``train``, ``valid``, ``test`` splits.
+    """
+    tmp = Path(tmpdir)
+    raw, dest = tmp / "raw", tmp / "data-bin"
+    raw.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(vocab_size)]
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        _write_lines(raw / f"{split}.txt", _random_sentences(rng, n, vocab, min_len, max_len))
+    cmd = [
+        venv_script("fairseq-preprocess"), "--only-source",
+        "--trainpref", str(raw / "train.txt"), "--validpref", str(raw / "valid.txt"),
+        "--testpref", str(raw / "test.txt"),
+        "--destdir", str(dest), "--workers", "1",
+        *extra_preprocess_args,
+    ]
+    _run(cmd, cwd=tmp, env=fairseq_env(), timeout=timeout, check=True)
+    return dest
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@dataclass
+class FairseqRun:
+    """Outcome of one fairseq command: exit code, raw output and the parsed JSON log records."""
+
+    cmd: List[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    # Every "{...}" log message, in order, with its logger name under "_tag"
+    # ("train_inner" per update, "train"/"valid" per epoch, ...).
+    records: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+    @property
+    def updates(self) -> List[Dict[str, Any]]:
+        """Per-update records (``train_inner``; one per ``--log-interval`` updates)."""
+        return [r for r in self.records if r["_tag"] == "train_inner"]
+
+    def tagged(self, tag: str) -> List[Dict[str, Any]]:
+        return [r for r in self.records if r["_tag"] == tag]
+
+    def check(self) -> "FairseqRun":
+        """Raise with the tail of the output unless the command succeeded; returns self."""
+        if self.returncode != 0:
+            raise AssertionError(
+                f"exit {self.returncode}: {' '.join(self.cmd)}\n--- stdout\n{self.stdout[-4000:]}"
+                f"\n--- stderr\n{self.stderr[-6000:]}"
+            )
+        return self
+
+
+def parse_json_records(text: str) -> List[Dict[str, Any]]:
+    """JSON log records from fairseq output (``--log-format json``), each with ``_tag`` set."""
+    records = []
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line.strip())
+        if not m or not m.group("msg").startswith("{"):
+            continue
+        try:
+            rec = json.loads(m.group("msg"))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            rec["_tag"] = m.group("name").strip()
+            records.append(rec)
+    return records
+
+
+def run_fairseq_train(
+    args: Sequence[str],
+    nproc: int = 2,
+    *,
+    timeout: float = 300,
+    cwd: Optional[PathLike] = None,
+    env: Optional[Mapping[str, str]] = None,
+    user_dir: Optional[PathLike] = USER_DIR,
+    json_log: bool = True,
+    torchrun_args: Sequence[str] = (),
+    script: str = "fairseq-train",
+    check: bool = False,
+    keep_weights_only_override: bool = False,
+) -> FairseqRun:
+    """Run ``torchrun --nproc_per_node nproc <venv>/bin/<script> <args>`` and parse its log.
+
+    ``args`` are passed through as given (data path, ``--arch``, ``--cpu``, ...). Added unless
+    already present: ``--user-dir user_dir`` (pass ``user_dir=None`` to leave it out) and, when
+    ``json_log``, ``--log-format json --log-interval 1`` so every update is one record. The
+    master port is a free one. ``check=True`` raises on a non-zero exit; otherwise inspect
+    ``returncode``/``stdout``/``stderr`` of the result.
+    """
+    args = list(args)
+    if user_dir is not None and "--user-dir" not in args:
+        args += ["--user-dir", str(user_dir)]
+    if json_log:
+        if "--log-format" not in args:
+            args += ["--log-format", "json"]
+        if "--log-interval" not in args:
+            args += ["--log-interval", "1"]
+    cmd = [
+        venv_script("torchrun"),
+        "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()),
+        *torchrun_args,
+        venv_script(script),
+        *args,
+    ]
+    child_env = fairseq_env(env, keep_weights_only_override=keep_weights_only_override)
+    proc = _run(cmd, cwd=cwd, env=child_env, timeout=timeout, check=False)
+    run = FairseqRun(cmd, proc.returncode, proc.stdout, proc.stderr,
+                     parse_json_records(proc.stdout + "\n" + proc.stderr))
+    return run.check() if check else run
+
+
+def run_fairseq_tool(
+    tool: str,
+    args: Sequence[str],
+    *,
+    timeout: float = 300,
+    cwd: Optional[PathLike] = None,
+    env: Optional[Mapping[str, str]] = None,
+    user_dir: Optional[PathLike] = USER_DIR,
+    check: bool = False,
+    keep_weights_only_override: bool = False,
+    input_text: Optional[str] = None,
+) -> FairseqRun:
+    """Run one process of a fairseq console script (``fairseq-generate``, ``fairseq-validate``...).
+
+    ``--user-dir user_dir`` is added unless present or ``user_dir=None``.
+    """
+    args = list(args)
+    if user_dir is not None and "--user-dir" not in args:
+        args += ["--user-dir", str(user_dir)]
+    cmd = [venv_script(tool), *args]
+    child_env = fairseq_env(env, keep_weights_only_override=keep_weights_only_override)
+    proc = _run(cmd, cwd=cwd, env=child_env, timeout=timeout, check=False, input_text=input_text)
+    run = FairseqRun(cmd, proc.returncode, proc.stdout, proc.stderr,
+                     parse_json_records(proc.stdout + "\n" + proc.stderr))
+    return run.check() if check else run

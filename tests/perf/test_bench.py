@@ -1,0 +1,154 @@
+"""The benchmark: emulated-cluster plumbing (fast) and the quick mode end to end (slow).
+
+The slow test runs ``python -m embrace_fairseq.perf.bench --quick`` for real (namespaces when
+this machine allows them) and checks that the JSON is complete and self-consistent:
+every strategy measured for every model and rank count, bytes that agree with what the
+NICs sent, identical losses across strategies (same synchronous SGD), EmbRace sending
+less than the dense all-reduce on the large-vocabulary LM. It does not check speed.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from embrace_fairseq.perf.bench import netem_cluster as NC
+from embrace_fairseq.perf.bench import STRATEGIES
+
+REPO = Path(__file__).resolve().parents[2]
+NS_REASON = NC.namespaces_available()
+needs_ns = pytest.mark.skipif(NS_REASON is not None, reason=f"no network namespaces here: {NS_REASON}")
+
+
+def test_tags_fit_interface_names():
+    tags = {NC.new_tag() for _ in range(50)}
+    assert len(tags) > 45  # random per run
+    for t in tags:
+        assert t.startswith(NC.PREFIX)
+        # longest interface name: <tag>r<rank>a with rank < 250, and the bridge <tag>br
+        assert len(f"{t}r249a") <= 15
+    assert NC.tbf_burst_bytes(1.0) >= 64 * 1024
+    assert NC.tbf_burst_bytes(10.0) == int(10e9 / 8 / 1000)
+
+
+@needs_ns
+def test_cluster_is_created_shaped_and_removed():
+    link = NC.LinkSpec(1.0, 0.1)
+    with NC.Cluster.create(2, link) as c:
+        names = NC.list_namespaces(c.tag)
+        assert sorted(names) == sorted([f"{c.tag}r0", f"{c.tag}r1", f"{c.tag}s"])
+        qd = subprocess.run(["tc", "-n", c.ranks[0].netns, "qdisc", "show", "dev", c.ranks[0].ifname],
+                            capture_output=True, text=True).stdout
+        assert "tbf" in qd and "rate 1Gbit" in qd
+        c.set_link(NC.LinkSpec(10.0, 0.1))
+        qd = subprocess.run(["tc", "-n", c.tag + "s", "qdisc", "show", "dev", f"{c.tag}r1b"],
+                            capture_output=True, text=True).stdout
+        assert "rate 10Gbit" in qd
+        # the two ranks reach each other over the bridge, not over the host
+        probe = subprocess.run(c.ranks[1].command_prefix() + [
+            sys.executable, "-c",
+            f"import socket; s=socket.create_connection(('{c.ranks[0].addr}', 9), timeout=2)"],
+            capture_output=True, text=True)
+        assert "Connection refused" in probe.stderr  # reached rank 0's stack, nothing listens
+    assert NC.list_namespaces(c.tag) == []
+
+
+@needs_ns
+def test_cleanup_command_removes_leftovers():
+    tag = NC.new_tag()
+    subprocess.run(["ip", "netns", "add", f"{tag}r0"], check=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "embrace_fairseq.perf.bench", "--cleanup"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{tag}r0" in out.stdout
+    assert NC.list_namespaces(tag) == []
+
+
+def _quick(out: Path, *extra: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "embrace_fairseq.perf.bench", "--quick", "--out", str(out), *extra],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_quick_mode_end_to_end(tmp_path):
+    out = tmp_path / "quick"
+    proc = _quick(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((out / "bench.json").read_text())
+    meta = res["meta"]
+    assert meta["fallback_loopback"] is (NS_REASON is not None)
+    if meta["fallback_loopback"]:
+        assert "FALLBACK" in proc.stdout
+    for model in ("lm", "translation"):
+        p = res["profiles"][model]
+        assert p["vocab"] >= (64000 if model == "lm" else 8000)
+        assert p["dense_numel"] == sum(l["numel"] for l in p["dense_layers"])
+        assert all(v > 0 for v in p["compute_s"].values())
+        assert set(p["unique_ids_per_rank"]) == {"2", "4"}
+        assert all(len(v) == int(w) for w, v in p["unique_ids_per_rank"].items())
+    runs = res["runs"]
+    assert {(r["model"], r["world_size"], r["strategy"]) for r in runs} == {
+        (m, w, s) for m in ("lm", "translation") for w in (2, 4) for s in STRATEGIES}
+    for r in runs:
+        assert len(r["step_s"]) == 8 and r["median_step_s"] > 0 and r["tokens_per_s"] > 0
+        total = sum(r["bytes_per_rank_per_step"].values())
+        assert total > 0
+        if not meta["fallback_loopback"]:
+            # the NIC sent what the collectives carried, plus headers and barriers
+            assert total <= r["wire_bytes_per_rank_per_step"] <= 1.15 * total + 200e3, r
+        if r["strategy"].startswith("embrace"):
+            assert {"ids", "rows", "grad_rows", "dense_allreduce"} <= set(r["bytes_per_rank_per_step"])
+            assert 0.0 <= r["hidden_share"] <= 1.0
+        key = f"{r['model']}/w{r['world_size']}/{r['link_gbit']:g}gbit_{r['latency_ms']:g}ms"
+        if r["strategy"] != "embrace_schedule":
+            assert math.isclose(res["ratios"][key][r["strategy"]],
+                                r["median_step_s"] / next(x["median_step_s"] for x in runs if x["strategy"] ==
+                                                          "embrace_schedule" and x["model"] == r["model"] and
+                                                          x["world_size"] == r["world_size"]), rel_tol=1e-9)
+        # same synchronous SGD on the same batches: the losses agree
+        assert res["loss_max_rel_diff_vs_legacy_ddp"][key][r["strategy"]] < 1e-3
+    lm4 = {r["strategy"]: r for r in runs if r["model"] == "lm" and r["world_size"] == 4}
+    assert lm4["embrace_schedule"]["bytes_total_per_rank_per_step"] < 0.5 * lm4["deepspeed"]["bytes_total_per_rank_per_step"]
+    assert "sparse_allgather" in lm4["sparse_allgather"]["bytes_per_rank_per_step"]
+    assert set(res["goal"]) == {"lm", "translation"}
+    report = (out / "report.md").read_text()
+    assert "## Goal" in report and "lm/w4/1gbit" in report
+    for png in ("throughput_vs_ranks.png", "bytes_by_kind.png", "timeline_excerpt.png"):
+        assert (out / png).stat().st_size > 1000
+    assert NC.list_namespaces() == [] or all(not n.startswith(NC.PREFIX) for n in NC.list_namespaces())
+
+
+@pytest.mark.slow
+@needs_ns
+def test_interrupted_run_leaves_nothing(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    before = set(NC.list_namespaces())
+    workers_before = set(_workers())
+    proc = subprocess.Popen([sys.executable, "-m", "embrace_fairseq.perf.bench", "--quick", "--models", "lm",
+                             "--worlds", "2", "--out", str(tmp_path / "x")], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (set(NC.list_namespaces()) - before):
+            time.sleep(0.5)
+        assert set(NC.list_namespaces()) - before, "the run created no namespace"
+        time.sleep(5)  # ranks started
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert set(NC.list_namespaces()) - before == set()
+    time.sleep(2)
+    assert set(_workers()) - workers_before == set()
+
+
+def _workers():
+    return subprocess.run(["pgrep", "-f", "embrace_fairseq.perf.bench.worker"], capture_output=True, text=True).stdout.split()
