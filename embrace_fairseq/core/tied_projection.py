@@ -1,7 +1,7 @@
 """Tied output projection over a sharded table.
 
 With tied input/output embeddings the decoder's softmax layer reads the *whole*
-table. Two ways to do that with a row-sharded table (DESIGN.md):
+table. Two ways to do that with a row-sharded table (docs/DESIGN.md):
 
 * ``gather``: all-gather the table for the projection and reduce-scatter its dense
   gradient: the volume of the dense all-reduce DDP spends on it, never worse.

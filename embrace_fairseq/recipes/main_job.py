@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from embrace_fairseq.recipes.common import (
     REPO_ROOT,
@@ -54,7 +54,7 @@ TRAIN_ARGS = [
 ]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train and evaluate the German-English main job.")
     p.add_argument("--arch", default="embrace_transformer", help="embrace_transformer or the stock transformer")
     p.add_argument("--ranks", type=int, default=2)
@@ -65,7 +65,60 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--skip-data", action="store_true", help="use the prepared data as it is")
     p.add_argument("--skip-train", action="store_true", help="evaluate the checkpoint of an earlier run")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _train(a: argparse.Namespace, data_bin: Path, work: Path, tag: str) -> Tuple[List[str], List[str], float, Path]:
+    """Run (or, with --skip-train, reread) the documented fairseq-train command:
+    (command, log lines, training seconds, checkpoint to evaluate)."""
+    save_dir = work / "checkpoints"
+    train_cmd = torchrun_train_cmd(a.ranks, data_bin, [
+        "--task", "translation", "--source-lang", "de", "--target-lang", "en",
+        "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS, "--cpu", "--distributed-backend", "gloo",
+        "--ddp-backend", "legacy_ddp", "--max-update", str(a.max_update), "--save-dir", str(save_dir),
+        # validate four times over the run for the loss curve
+        "--validate-interval-updates", str(max(a.max_update // 4, 1)),
+    ])
+    print(f"[main job] training {a.arch} on {a.ranks} CPU ranks for {a.max_update} updates", flush=True)
+    t1 = time.time()
+    if a.skip_train:
+        lines = (work / "train.log").read_text().splitlines()
+        earlier = a.results / f"main_job{tag}.json"
+        previous = json.loads(earlier.read_text()) if earlier.exists() else {}
+        t_train = previous.get("wall_seconds", {}).get("train", 0.0)
+    else:
+        lines = stream(train_cmd, work / "train.log", on_line=progress_printer("[train]", a.max_update))
+        t_train = time.time() - t1
+    ckpt = save_dir / "checkpoint_last.pt"
+    if not ckpt.exists():
+        ckpt = sorted(save_dir.glob("checkpoint_*_*.pt"))[-1]
+    return train_cmd, lines, t_train, ckpt
+
+
+def _translate(a: argparse.Namespace, data_bin: Path, raw: Path, work: Path, ckpt: Path) -> Tuple[List[str], List[str]]:
+    """fairseq-generate on the held-out test set: (hypotheses in test order, references)."""
+    gen = stream([tool("fairseq-generate"), str(data_bin), "--user-dir", str(USER_DIR), "--path", str(ckpt),
+                  "--task", "translation", "--source-lang", "de", "--target-lang", "en", "--gen-subset", "test",
+                  "--beam", str(a.beam), "--max-tokens", "4000", "--max-len-a", "1.2", "--max-len-b", "10",
+                  # fairseq drops a last batch smaller than the multiple (8): translate every sentence
+                  "--required-batch-size-multiple", "1", "--cpu", "--post-process", "sentencepiece",
+                  "--skip-invalid-size-inputs-valid-test", "--num-workers", "0"],
+                 work / "generate.log", env=child_env(threads=2))
+    hyps = {}
+    for line in gen:
+        if line.startswith("D-"):
+            idx, _score, text = line.split("\t", 2)
+            hyps[int(idx[2:])] = text
+    refs = (raw / "test.en").read_text(encoding="utf-8").splitlines()
+    if len(hyps) != len(refs):
+        raise RuntimeError(f"fairseq-generate translated {len(hyps)} of {len(refs)} test sentences")
+    hyp_list = [hyps.get(i, "") for i in range(len(refs))]
+    (work / "test.hyp.en").write_text("\n".join(hyp_list) + "\n", encoding="utf-8")
+    return hyp_list, refs
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = _parse(argv)
     t0 = time.time()
     tag = "" if a.arch == "embrace_transformer" else f"_{a.arch}"
     work = a.work_dir / a.arch
@@ -82,51 +135,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"no binarised data at {data_bin}; run without --skip-data")
 
     # 1) train: the documented command, nothing hidden
-    save_dir = work / "checkpoints"
-    train_cmd = torchrun_train_cmd(a.ranks, data_bin, [
-        "--task", "translation", "--source-lang", "de", "--target-lang", "en",
-        "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS, "--cpu", "--distributed-backend", "gloo",
-        "--ddp-backend", "legacy_ddp", "--max-update", str(a.max_update), "--save-dir", str(save_dir),
-        # validate four times over the run for the loss curve
-        "--validate-interval-updates", str(max(a.max_update // 4, 1)),
-    ])
-    print(f"[main job] training {a.arch} on {a.ranks} CPU ranks for {a.max_update} updates", flush=True)
-    t1 = time.time()
-    if a.skip_train:
-        lines = (work / "train.log").read_text().splitlines()
-        previous = json.loads((a.results / f"main_job{tag}.json").read_text()) if (a.results / f"main_job{tag}.json").exists() else {}
-        t_train = previous.get("wall_seconds", {}).get("train", 0.0)
-    else:
-        lines = stream(train_cmd, work / "train.log", on_line=progress_printer("[train]", a.max_update))
-        t_train = time.time() - t1
+    train_cmd, lines, t_train, ckpt = _train(a, data_bin, work, tag)
     inner = json_records(lines, "train_inner")
     valid = json_records(lines, "valid")
     epochs = json_records(lines, "train")
-    ckpt = save_dir / "checkpoint_last.pt"
-    if not ckpt.exists():
-        ckpt = sorted(save_dir.glob("checkpoint_*_*.pt"))[-1]
 
     # 2) translate the held-out test set
     print("[main job] translating the test set with fairseq-generate", flush=True)
     t2 = time.time()
-    gen = stream([tool("fairseq-generate"), str(data_bin), "--user-dir", str(USER_DIR), "--path", str(ckpt),
-                  "--task", "translation", "--source-lang", "de", "--target-lang", "en", "--gen-subset", "test",
-                  "--beam", str(a.beam), "--max-tokens", "4000", "--max-len-a", "1.2", "--max-len-b", "10",
-                  # fairseq drops a last batch smaller than the multiple (8): translate every sentence
-                  "--required-batch-size-multiple", "1", "--cpu", "--post-process", "sentencepiece",
-                  "--skip-invalid-size-inputs-valid-test", "--num-workers", "0"],
-                 work / "generate.log", env=child_env(threads=2))
+    hyp_list, refs = _translate(a, data_bin, raw, work, ckpt)
     t_gen = time.time() - t2
-    hyps = {}
-    for line in gen:
-        if line.startswith("D-"):
-            idx, _score, text = line.split("\t", 2)
-            hyps[int(idx[2:])] = text
-    refs = (raw / "test.en").read_text(encoding="utf-8").splitlines()
-    if len(hyps) != len(refs):
-        raise RuntimeError(f"fairseq-generate translated {len(hyps)} of {len(refs)} test sentences")
-    hyp_list = [hyps.get(i, "") for i in range(len(refs))]
-    (work / "test.hyp.en").write_text("\n".join(hyp_list) + "\n", encoding="utf-8")
 
     # 3) score detokenised text with sacrebleu
     import sacrebleu
@@ -146,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "chrf": round(c.score, 2),
         "chrf_signature": str(chrf.get_signature()),
         "test_sentences": len(refs),
-        "translated": len(hyps),
+        "translated": len(hyp_list),
         "words_per_second": round(sum(wps) / len(wps), 1) if wps else None,
         "final_train_loss": float(epochs[-1]["train_loss"]) if epochs else None,
         "valid_loss": [(int(r["valid_num_updates"]), float(r["valid_loss"])) for r in valid],
