@@ -12,7 +12,8 @@ is an edge to ``pkg.name`` when that is a module, else to ``pkg``. Importing
 ``__init__`` files only describe or re-export.
 
 ``python -m embrace_fairseq.tools.layering`` prints the modules by layer and any
-violation or cycle, exit status 1 when there is one.
+violation or cycle, exit status 1 when there is one; ``--tree`` prints one line per
+module (its path and the first line of its docstring).
 """
 from __future__ import annotations
 
@@ -186,8 +187,26 @@ def report(root: Path) -> Tuple[str, bool]:
     return "\n".join(lines), not bad
 
 
+def module_tree(root: Path) -> str:
+    """One line per module, by layer: its path and the first line of its docstring."""
+    lines = []
+    mods = modules(root)
+    for name in sorted(mods, key=lambda n: (layer_of(n)[1], n)):
+        path = mods[name]
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = doc.strip().splitlines()[0] if doc.strip() else ""
+        lines.append(f"{str(path.relative_to(root)):52s} {first}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[2]
+    args = list(argv or [])
+    tree = "--tree" in args
+    args = [a for a in args if a != "--tree"]
+    root = Path(args[0]) if args else Path(__file__).resolve().parents[2]
+    if tree:
+        print(module_tree(root))
+        return 0
     text, ok = report(root)
     print(text)
     return 0 if ok else 1
