@@ -5,6 +5,7 @@ import pytest
 
 from embrace_fairseq.perf import simulator as sim
 from embrace_fairseq.perf.simulator import Network, Options, Profile, predict
+from embrace_fairseq.perf.simulator import __main__ as simulator_cli
 
 STRATS = sim.STRATEGIES
 
@@ -121,7 +122,7 @@ def test_validate_reads_bench_json(tmp_path):
     res = sim.validate(json.loads(path.read_text()))
     assert len(res["runs"]) == 1
     assert res["runs"][0]["rel_error"] == pytest.approx(1 / 1.1 - 1)
-    assert sim.main(["validate", str(path), "--out", str(tmp_path / "v.json")]) == 0
+    assert simulator_cli.main(["validate", str(path), "--out", str(tmp_path / "v.json")]) == 0
     with pytest.raises(ValueError, match="lacks the field"):
         sim.validate({"profiles": {"toy": {"vocab": 3}}, "runs": []})
 
@@ -173,8 +174,8 @@ def test_tied_output_inferred_from_recorded_table_gather():
             "tokens_per_rank": 100, "compute_s": {"forward": 0.1, "backward": 0.2, "optimizer": 0.0}}
     run = {"model": "m", "world_size": 2, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "embrace_schedule",
            "median_step_s": 1.0, "bytes_per_rank_per_step": {"rows": 10.0}}
-    profiles, _ = sim._runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
+    profiles, _ = sim.runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
     assert profiles["m"].tied_output is None
     run["bytes_per_rank_per_step"]["table_gather"] = 4000.0
-    profiles, _ = sim._runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
+    profiles, _ = sim.runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
     assert profiles["m"].tied_output == "gather"
