@@ -19,8 +19,10 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from embrace_fairseq.perf import volume as V
 
-# the strategy every speedup is "of", and the stock one losses are compared against
+# the strategy every speedup is "of", the same with its schedule off (what the schedule
+# gains), and the stock one losses and compute are measured against
 SPEEDUP_SUBJECT = "embrace_schedule"
+UNSCHEDULED_SUBJECT = "embrace_noschedule"
 REFERENCE = "fairseq_legacy_ddp"
 
 
