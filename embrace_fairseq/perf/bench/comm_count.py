@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import defaultdict
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator
 
 import torch
 import torch.distributed as dist

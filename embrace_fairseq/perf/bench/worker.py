@@ -15,7 +15,6 @@ its NIC sent (``tx_bytes`` in its namespace) and, for EmbRace, the trace summary
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import statistics
