@@ -109,6 +109,24 @@ def test_package_registry_is_untouched_by_the_scratch_registrations():
     assert S.strategy_names() == NAMES and "hvd" not in S.aliases()
 
 
+def _module_level_imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in tree.body:  # module level only: imports inside functions run when called
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield node.module
+
+
+def test_registry_modules_import_nothing_heavy_at_module_level():
+    heavy = ("torch", "numpy", "fairseq", "deepspeed", "matplotlib", "embrace_fairseq.perf.simulator",
+             "embrace_fairseq.perf.bench")
+    for rel in ("perf/strategies.py", "perf/volume.py", "core/ring_volume.py", "core/ledger.py"):
+        found = [m for m in _module_level_imports(REPO / "embrace_fairseq" / rel) if m.startswith(heavy)]
+        assert found == [], (rel, found)
+
+
+@pytest.mark.slow
 def test_importing_the_registry_imports_no_simulator_builder_or_framework():
     code = ("import sys, embrace_fairseq.perf.strategies, embrace_fairseq.perf.bench.__main__; "
             "heavy = [m for m in ('embrace_fairseq.perf.simulator', 'embrace_fairseq.perf.bench.builders', "
