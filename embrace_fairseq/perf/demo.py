@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from embrace_fairseq.core.ledger import CommLedger
+from embrace_fairseq.core.ring_volume import ring_allreduce_bytes
 from embrace_fairseq.tools.local_ranks import run_ranks
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 
@@ -52,7 +53,7 @@ def _rank_step(rank: int, world: int, vocab: int, dim: int, tokens: int) -> Dict
         "unique_ids": int(ids.unique().numel()),
         "embrace_bytes_sent": ledger.total_sent(),
         "embrace_bytes_by_kind": dict(ledger.sent),
-        "dense_allreduce_bytes_sent": 2 * (world - 1) / world * vocab * dim * elem,
+        "dense_allreduce_bytes_sent": ring_allreduce_bytes(vocab * dim * elem, world),
     }
 
 

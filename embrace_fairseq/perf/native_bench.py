@@ -129,12 +129,7 @@ def run_benchmark(out_dir: str, quick: bool = False, reps: int = None, threads: 
         r, m = statistics.median(t_ref), statistics.median(t_nat)
         rows.append({"op": op, "use": use, **cfg, "reference_us": r * 1e6, "native_us": m * 1e6,
                      "speedup": r / m, "identical": True})
-    summary = {}
-    for op in N.OPS:
-        s = [row["speedup"] for row in rows if row["op"] == op]
-        geo = math.exp(sum(math.log(x) for x in s) / len(s))
-        summary[op] = {"geomean_speedup": geo, "worst_speedup": min(s), "best_speedup": max(s),
-                       "faster": geo >= MIN_GEOMEAN and min(s) >= MIN_WORST}
+    summary = summarise(rows)
     result = {
         "command": "python -m embrace_fairseq.perf.native_bench --bench" + (" --quick" if quick else ""),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -156,6 +151,18 @@ def run_benchmark(out_dir: str, quick: bool = False, reps: int = None, threads: 
         f.write(md)
     print(md)
     return 0
+
+
+def summarise(rows: Sequence[Dict]) -> Dict[str, Dict]:
+    """Per op: geometric mean, worst and best speedup over its cases, and whether the
+    rule (:data:`MIN_GEOMEAN`, :data:`MIN_WORST`) makes it native under ``auto``."""
+    summary = {}
+    for op in N.OPS:
+        s = [row["speedup"] for row in rows if row["op"] == op]
+        geo = math.exp(sum(math.log(x) for x in s) / len(s))
+        summary[op] = {"geomean_speedup": geo, "worst_speedup": min(s), "best_speedup": max(s),
+                       "faster": geo >= MIN_GEOMEAN and min(s) >= MIN_WORST}
+    return summary
 
 
 def markdown_table(result: Dict) -> str:

@@ -5,6 +5,7 @@ import pytest
 
 from embrace_fairseq.perf import simulator as sim
 from embrace_fairseq.perf.simulator import Network, Options, Profile, predict
+from embrace_fairseq.perf.simulator import __main__ as simulator_cli
 
 STRATS = sim.STRATEGIES
 
@@ -99,31 +100,61 @@ def test_zipf_loads():
     assert measured.unique_mean == pytest.approx(1000) and measured.unique_max == 1100
 
 
-def test_validate_reads_bench_json(tmp_path):
+def _toy_json(unique):
     p = _profile()
-    prof = {
+    return {
         "vocab": p.vocab, "dim": p.dim, "dense_numel": p.dense_numel,
-        "dense_layers": [{"name": n, "numel": k} for n, k in p.dense_layers],
-        "tokens_per_rank": p.tokens_per_rank,
-        "compute_s": {"forward": 0.05, "backward": 0.10, "optimizer": 0.01},
-        "unique_ids_per_rank": {"4": [900, 950, 1000, 1010]},
+        "dense_layers": [{"name": n, "numel": k} for n, k in p.dense_layers], "tokens_per_rank": p.tokens_per_rank,
+        "compute_s": {"forward": 0.05, "backward": 0.10, "optimizer": 0.01}, "unique_ids_per_rank": unique,
     }
-    truth = predict(_profile(unique={4: [900, 950, 1000, 1010]}), "embrace_schedule", 4, Network(1.0, latency_s=1e-4),
-                    Options(defer_rows=False))  # validation models the exchange as implemented
+
+
+# the toy model's table and dense layers in bytes (fp32): what the stock strategies all-reduce
+TOY_ALLREDUCE_BYTES = (20000 * 128 + 6 * 400_000) * 4
+
+
+def _dense_step_by_hand(gbit, n, *, latency_s=1e-4, efficiency=1.0, overhead_s=0.0, host_s_per_byte=0.0, cpus=0):
+    """Step time of fairseq legacy_ddp or DeepSpeed on the toy model, alpha-beta by hand: one
+    flat buffer (it fits both caps), all-reduced after the backward; N ranks on ``cpus`` cores
+    slow compute and host work per byte by N / cpus."""
+    share = max(1.0, n / cpus) if cpus else 1.0
+    wire = 1.0 / (gbit * 1e9 / 8 * efficiency) + host_s_per_byte * share  # seconds per byte
+    return 0.16 * share + overhead_s + 2 * (n - 1) * latency_s + 2 * (n - 1) / n * TOY_ALLREDUCE_BYTES * wire
+
+
+def test_validate_against_hand_computed_costs(tmp_path):
     runs = [
-        {"model": "toy", "world_size": 4, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "embrace_schedule",
-         "median_step_s": truth.step_s * 1.1},
+        {"model": "toy", "world_size": 4, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "deepspeed",
+         "median_step_s": 0.5},
+        {"model": "toy", "world_size": 2, "link_gbit": 10.0, "latency_ms": 0.1, "strategy": "legacy_ddp",
+         "median_step_s": 0.2, "step_s": [0.19, 0.2, 0.2, 0.23]},
         {"model": "toy", "world_size": 4, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "(c) sparse all-gather?",
          "median_step_s": 1.0},  # unknown strategy names are skipped, not guessed
     ]
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"profiles": {"toy": prof}, "runs": runs}))
+    path.write_text(json.dumps({"profiles": {"toy": _toy_json({"4": [900, 950, 1000, 1010]})}, "runs": runs}))
     res = sim.validate(json.loads(path.read_text()))
-    assert len(res["runs"]) == 1
-    assert res["runs"][0]["rel_error"] == pytest.approx(1 / 1.1 - 1)
-    assert sim.main(["validate", str(path), "--out", str(tmp_path / "v.json")]) == 0
+    assert [r["strategy"] for r in res["runs"]] == ["deepspeed", "fairseq_legacy_ddp"]
+    # 0.16 s compute + 6 latency steps + 1.5 x 19.84 MB at 125 MB/s = 0.39868 s
+    assert _dense_step_by_hand(1.0, 4) == pytest.approx(0.39868)
+    for r, run in zip(res["runs"], runs):
+        hand = _dense_step_by_hand(run["link_gbit"], run["world_size"])
+        assert r["predicted_s"] == pytest.approx(hand, rel=1e-12)
+        assert r["rel_error"] == pytest.approx((hand - run["median_step_s"]) / run["median_step_s"], rel=1e-12)
+    assert res["runs"][1]["measured_rel_iqr"] == pytest.approx((0.2075 - 0.1975) / 0.2)
+    assert res["median_measured_rel_iqr"] is None  # one run has no step times
+    assert simulator_cli.main(["validate", str(path), "--out", str(tmp_path / "v.json")]) == 0
+    assert json.loads((tmp_path / "v.json").read_text())["runs"][0]["predicted_s"] == pytest.approx(0.39868)
     with pytest.raises(ValueError, match="lacks the field"):
         sim.validate({"profiles": {"toy": {"vocab": 3}}, "runs": []})
+
+
+def test_validate_skips_loopback_runs():
+    bench = {"profiles": {"toy": _toy_json({})}, "meta": {"fallback_loopback": True, "fallback_reason": "no root"},
+             "runs": [{"model": "toy", "world_size": 2, "link_gbit": 1.0, "strategy": "deepspeed",
+                       "median_step_s": 1.0}]}
+    res = sim.validate(bench)
+    assert res["runs"] == [] and "no root" in res["skipped"]
 
 
 def test_strategy_names():
@@ -144,28 +175,66 @@ def test_deferring_rows_only_helps():
 
 
 def test_fit_recovers_a_known_network():
-    p = _profile(unique={4: [1000] * 4})
-    prof = {
-        "vocab": p.vocab, "dim": p.dim, "dense_numel": p.dense_numel,
-        "dense_layers": [{"name": n, "numel": k} for n, k in p.dense_layers], "tokens_per_rank": p.tokens_per_rank,
-        "compute_s": {"forward": 0.05, "backward": 0.10, "optimizer": 0.01}, "unique_ids_per_rank": {"4": [1000] * 4},
-    }
-    runs = []
-    for gbit in (1.0, 10.0):
-        # 4 ranks on 2 cores: compute and host work per byte twice as slow
-        truth = Network(gbit, latency_s=1e-4, efficiency=0.75, overhead_s=1e-3, host_s_per_byte=4e-9, contention=2.0)
-        for s in STRATS:
-            step = predict(_profile(unique={4: [1000] * 4}), s, 4, truth, Options(defer_rows=False), compute_scale=2.0).step_s
-            runs.append({"model": "toy", "world_size": 4, "link_gbit": gbit, "latency_ms": 0.1, "strategy": s,
-                         "median_step_s": step})
-    bench = {"profiles": {"toy": prof}, "runs": runs, "meta": {"machine": {"cpus": 2}}}
+    # runs whose step times follow a known network, computed by hand: efficiency 0.75,
+    # 1 ms per collective, 4 ns of host work per byte; 2 and 4 ranks on 2 cores
+    truth = dict(efficiency=0.75, overhead_s=1e-3, host_s_per_byte=4e-9, cpus=2)
+    runs = [{"model": "toy", "world_size": n, "link_gbit": gbit, "latency_ms": 0.1, "strategy": s,
+             "median_step_s": _dense_step_by_hand(gbit, n, **truth)}
+            for gbit in (1.0, 10.0) for n in (2, 4) for s in ("fairseq_legacy_ddp", "deepspeed")]
+    bench = {"profiles": {"toy": _toy_json({"4": [1000] * 4})}, "runs": runs, "meta": {"machine": {"cpus": 2}}}
     grid = {"efficiency": (0.5, 0.75, 1.0), "overhead_s": (0.0, 1e-3), "host_s_per_byte": (0.0, 4e-9)}
     fit = sim.fit_network(bench, grid=grid)
     assert (fit["efficiency"], fit["overhead_s"], fit["host_s_per_byte"]) == (0.75, 1e-3, 4e-9)
     assert fit["in_sample_mean_abs_rel_error"] < 1e-9 and fit["holdout"]["link_gbit"] < 1e-9
-    # without the oversubscription of compute the same runs are predicted too fast
+    # without the oversubscription of compute the 4-rank runs are predicted too fast
     plain = sim.validate(bench, efficiency=0.75, overhead_s=1e-3, host_s_per_byte=4e-9, oversubscription=False)
-    assert all(r["rel_error"] < -0.2 for r in plain["runs"])
+    assert all(r["rel_error"] < -0.2 for r in plain["runs"] if r["world_size"] == 4)
+    assert all(abs(r["rel_error"]) < 1e-9 for r in plain["runs"] if r["world_size"] == 2)
+
+
+def _fixed_loads(p, busiest_rows, next_step_share, unique_max=0.0):
+    """Stand in for the Zipf model: the sparse loads of every world size given by hand."""
+    loads = sim.SparseLoads(unique_mean=unique_max, unique_max=unique_max, off_owner_mean=0.0,
+                            busiest_rows=busiest_rows, next_step_share=next_step_share, tokens_eff=0.0)
+    p.loads = lambda world_size, layout="contiguous": loads
+    return p
+
+
+def test_embrace_costs_by_hand():
+    # 2 ranks at 1e9 bytes/s, 1 ms per message step; two 1 MB layers in buckets of their own;
+    # the busiest rank moves 100 rows of 10 fp32 and their 4-byte ids
+    p = _fixed_loads(Profile(name="hand", vocab=1000, dim=10, dense_layers=[("in", 250_000), ("out", 250_000)],
+                             tokens_per_rank=100, forward_s=0.1, backward_s=0.2, optimizer_s=0.05), 100, 0.5)
+    net = Network(8.0, latency_s=1e-3)
+    opts = Options(embrace_bucket_bytes=1_000_000, embrace_piece_bytes=1 << 20, defer_rows=False)
+    F, B = 0.1, 0.2
+    O = 0.05 * (500_000 + 500 * 10) / (500_000 + 1000 * 10)  # the optimizer steps half the table
+    header = 1e-3 + 24 / 1e9  # one peer, three int64
+    ids, rows = 1e-3 + 400 / 1e9, 1e-3 + 4000 / 1e9  # AlltoAll: one message step + the busiest bytes
+    layer = 2e-3 + 1e6 / 1e9  # ring all-reduce of 1 MB on 2 ranks
+    d = predict(p, "embrace_noschedule", 2, net, opts)
+    assert d.step_s == pytest.approx(F + B + O + header + ids + 2 * rows + 2 * layer, rel=1e-12)
+    assert d.exposed_comm_s == pytest.approx(d.comm_s) and d.compute_s == pytest.approx(F + B + O)
+    # the schedule hides the output layer's all-reduce (ready half-way through the backward);
+    # the gradient rows go before the input layer's all-reduce, both after the backward
+    e = predict(p, "embrace_schedule", 2, net, opts)
+    assert e.step_s == pytest.approx(header + ids + rows + F + B + rows + layer + O, rel=1e-12)
+    assert e.hidden_share == pytest.approx(layer / (header + ids + 2 * rows + 2 * layer), rel=1e-9)
+    # deferring half of the rows into the next forward moves 2000 bytes off the critical path
+    deferred = predict(p, "embrace_schedule", 2, net, Options(**{**opts.__dict__, "defer_rows": True}))
+    assert deferred.step_s == pytest.approx(e.step_s - 2000 / 1e9, rel=1e-12)
+
+
+def test_sparse_allgather_by_hand():
+    p = _fixed_loads(_profile(), 0.0, 1.0, unique_max=1000.0)
+    net = Network(8.0, latency_s=0.0)  # 1e9 bytes/s, no latency
+    n = 4
+    gather = lambda total: (n - 1) / n * total / 1e9  # noqa: E731  (ring all-gather)
+    sparse = 2 * gather(8 * n) + gather(n * 1000 * 8) + gather(n * 1000 * 128 * 4)  # sizes, int64 ids, rows
+    dense = 2 * (n - 1) / n * 6 * 400_000 * 4 / 1e9
+    r = predict(p, "sparse_allgather", n, net)
+    assert r.detail["sparse_s"] == pytest.approx(sparse, rel=1e-12)
+    assert r.step_s == pytest.approx(0.16 + sparse + dense, rel=1e-12)
 
 
 def test_tied_output_inferred_from_recorded_table_gather():
@@ -173,8 +242,8 @@ def test_tied_output_inferred_from_recorded_table_gather():
             "tokens_per_rank": 100, "compute_s": {"forward": 0.1, "backward": 0.2, "optimizer": 0.0}}
     run = {"model": "m", "world_size": 2, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": "embrace_schedule",
            "median_step_s": 1.0, "bytes_per_rank_per_step": {"rows": 10.0}}
-    profiles, _ = sim._runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
+    profiles, _ = sim.runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
     assert profiles["m"].tied_output is None
     run["bytes_per_rank_per_step"]["table_gather"] = 4000.0
-    profiles, _ = sim._runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
+    profiles, _ = sim.runs_and_profiles({"profiles": {"m": prof}, "runs": [run]})
     assert profiles["m"].tied_output == "gather"

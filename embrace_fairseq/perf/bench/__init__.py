@@ -2,12 +2,9 @@
 
 ``python -m embrace_fairseq.perf.bench [--quick]`` (see :mod:`.__main__`). Parts:
 :mod:`.netem_cluster` (ranks in network namespaces on rate-limited links),
-:mod:`.workloads` (the two fairseq models and their batches), :mod:`.strategies`
-(the five ways to train them), :mod:`.comm_count` (bytes of the stock paths'
-collectives), :mod:`.worker` (one rank), :mod:`.report` (JSON, Markdown, plots).
+:mod:`.workloads` (the two fairseq models and their batches), :mod:`.builders`
+(the ways to train them; each registered with its strategy in
+:mod:`embrace_fairseq.perf.strategies`), :mod:`.comm_count` (bytes of the stock
+paths' collectives), :mod:`.worker` (one rank), :mod:`.report` (the JSON),
+:mod:`.markdown` and :mod:`.plots` (the report), :mod:`.keys` (run names).
 """
-
-# The strategies as named in bench.json (here, so that importing names costs no torch).
-STRATEGIES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "sparse_allgather",
-              "embrace_noschedule", "embrace_schedule")
-EMBRACE = ("embrace_noschedule", "embrace_schedule")

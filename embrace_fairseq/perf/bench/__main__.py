@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from embrace_fairseq.perf.bench import STRATEGIES
+from embrace_fairseq.perf.strategies import STRATEGIES, canonical_strategy
 from embrace_fairseq.perf.bench import netem_cluster as NC
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -53,10 +53,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     a.models = [m for m in a.models.split(",") if m]
     a.worlds = [int(x) for x in a.worlds.split(",")]
-    a.strategies = [s for s in a.strategies.split(",") if s]
-    bad = [s for s in a.strategies if s not in STRATEGIES]
-    if bad:
-        p.error(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+    try:
+        a.strategies = [canonical_strategy(s) for s in a.strategies.split(",") if s]
+    except ValueError as exc:
+        p.error(str(exc))
     return a
 
 

@@ -7,19 +7,26 @@ communication hook is registered; the benchmark registers torch's stock ``allred
 (the same collective), which calls ``torch.distributed.all_reduce``.
 
 Bytes are what one rank sends under the usual algorithms (the convention of
-:mod:`embrace_fairseq.core.ledger` and of the analytic bounds): ring all-reduce
-2(N-1)/N of the payload, all-gather (N-1) times the local part, AlltoAll the parts
-addressed to other ranks, reduce-scatter (N-1)/N of the input.
+:mod:`embrace_fairseq.core.ledger` and of the analytic bounds): the ring formulas of
+:mod:`embrace_fairseq.core.ring_volume` (all-reduce 2(N-1)/N of the payload, all-gather
+(N-1) times the local part, reduce-scatter (N-1)/N of the input), AlltoAll the parts
+addressed to other ranks.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections import defaultdict
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator
 
 import torch
 import torch.distributed as dist
+
+from embrace_fairseq.core.ring_volume import (
+    ring_allgather_block_bytes,
+    ring_allreduce_bytes,
+    ring_reduce_scatter_bytes,
+)
 
 
 class CollectiveCounter:
@@ -80,14 +87,13 @@ def counting(counter: CollectiveCounter) -> Iterator[CollectiveCounter]:
         setattr(dist, name, wrapper)
 
     def all_reduce(tensor, *a, group=None, **k):
-        n = _world(group)
-        return 2 * (n - 1) * _nbytes(tensor) / n
+        return ring_allreduce_bytes(_nbytes(tensor), _world(group))
 
     def all_gather(tensor_list, tensor, *a, group=None, **k):
-        return (_world(group) - 1) * _nbytes(tensor)
+        return ring_allgather_block_bytes(_nbytes(tensor), _world(group))
 
     def all_gather_into_tensor(out, tensor, *a, group=None, **k):
-        return (_world(group) - 1) * _nbytes(tensor)
+        return ring_allgather_block_bytes(_nbytes(tensor), _world(group))
 
     def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **k):
         n, r = _world(group), _rank(group)
@@ -101,8 +107,7 @@ def counting(counter: CollectiveCounter) -> Iterator[CollectiveCounter]:
         return sum(_nbytes(t) for i, t in enumerate(in_list) if i != r)
 
     def reduce_scatter_tensor(out, inp, *a, group=None, **k):
-        n = _world(group)
-        return _nbytes(inp) * (n - 1) / n
+        return ring_reduce_scatter_bytes(_nbytes(inp), _world(group))
 
     def broadcast(tensor, src=0, group=None, **k):
         return _nbytes(tensor) if _rank(group) == src else 0

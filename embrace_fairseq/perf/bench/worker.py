@@ -15,7 +15,6 @@ its NIC sent (``tx_bytes`` in its namespace) and, for EmbRace, the trace summary
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from embrace_fairseq.perf.strategies import REFERENCE, get_strategy
 
 def _tx_bytes(path: str) -> float:
     try:
@@ -69,16 +69,116 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any) -> Dict[str, Any]:
+    """Every strategy of the spec, built once (EmbRace's with a trace prefix)."""
+    built: Dict[str, Any] = {}
+    for name in spec["strategies"]:
+        strategy = get_strategy(name)
+        prefix = str(Path(spec["tmp"]) / f"trace_{name}") if strategy.shards_table else None
+        built[name] = strategy.build(strategy.name, w, batches.task, Path(spec["data"]), counter, trace_prefix=prefix)
+    return built
+
+
+def _set_link(spec: Dict[str, Any], li: int, link: Any, rank: int, world: int) -> None:
+    """Rank 0 reshapes the links between barriers (the first link is set at creation)."""
+    import torch.distributed as dist
+
+    from embrace_fairseq.perf.bench.netem_cluster import Cluster, RankPlacement
+
+    dist.barrier()
+    if li > 0 and rank == 0 and not spec["loopback"]:
+        c = Cluster(world, spec["cluster"]["tag"], False, ranks=[RankPlacement(**p) for p in spec["placement"]],
+                    switch_ns=spec["cluster"]["switch_ns"])
+        c.set_link(link)
+    dist.barrier()
+
+
+def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any, rank: int, counter: Any,
+                 ledger: Any, tx_path: str) -> None:
+    """``steps_per_round`` timed steps of one strategy, each after a barrier; its bytes."""
+    import torch.distributed as dist
+
+    counter.take()
+    counter.enabled = True
+    led0 = _ledger_bytes(ledger.snapshot())
+    tx0 = _tx_bytes(tx_path)
+    for _ in range(spec["steps_per_round"]):
+        batch = batches.get(s.steps_done, rank)
+        rec["batch_steps"].append(s.steps_done)
+        rec["tokens"] += int(batch["ntokens"])
+        counter.enabled = False
+        dist.barrier()
+        counter.enabled = True
+        t0 = time.perf_counter()
+        loss = s.step(batch)
+        rec["step_s"].append(time.perf_counter() - t0)
+        rec["loss"].append(loss)
+        rec["steps"] += 1
+    counter.enabled = False
+    rec["wire"] += _tx_bytes(tx_path) - tx0
+    for k, v in _diff(_ledger_bytes(ledger.snapshot()), led0).items():
+        k = _LEDGER_KINDS.get(k, k)
+        rec["bytes"][k] = rec["bytes"].get(k, 0.0) + v
+    for k, v in counter.take().items():
+        rec["counted"][k] = rec["counted"].get(k, 0.0) + v
+
+
+def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str, Any], link: Any,
+           world: int) -> Dict[str, Any]:
+    """One strategy's record for one link: per-step means, and the saved trace."""
+    n = max(1, rec["steps"])
+    if get_strategy(name).shards_table:  # EmbRace's ledger
+        by_kind = {k: v / n for k, v in rec["bytes"].items()}
+    else:  # the counted collectives of the stock paths
+        by_kind = {}
+        for k, v in rec["counted"].items():
+            kk = _STOCK_KINDS.get(k, k)
+            by_kind[kk] = by_kind.get(kk, 0.0) + v / n
+    entry = {"step_s": rec["step_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
+             "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
+             "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
+             "tokens": rec["tokens"], "batch_steps": rec["batch_steps"]}
+    hook = built[name].hook
+    if hook is not None:
+        summ = hook.tracer.summary()
+        entry["trace_summary"] = summ
+        entry["hidden_share"] = summ.get("hidden_share")
+        tdir = Path(spec["out"]) / "traces" / f"{spec['model']}_w{world}_{link.label()}"
+        path = hook.tracer.save(str(tdir / name))
+        entry["trace"] = os.path.relpath(path, spec["out"])
+        hook.tracer.clear()
+    return entry
+
+
+def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, counter: Any,
+                  tx_path: str, link: Any, world: int) -> Dict[str, Dict[str, Any]]:
+    """Warm-up, then the rounds (order rotated each round); a record per strategy."""
+    from embrace_fairseq.core.ledger import global_ledger
+
+    for name in spec["strategies"]:
+        s = built[name]
+        for _ in range(spec["warmup"]):
+            s.step(batches.get(s.steps_done, rank))
+    per = {n: {"step_s": [], "loss": [], "bytes": {}, "counted": {}, "wire": 0.0, "steps": 0, "batch_steps": [],
+               "tokens": 0} for n in spec["strategies"]}
+    for s in built.values():
+        if s.hook is not None:
+            s.hook.tracer.clear()
+    names = list(spec["strategies"])
+    for r in range(spec["rounds"]):
+        _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']}")
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            _timed_steps(spec, built[name], per[name], batches, rank, counter, global_ledger(), tx_path)
+    return {name: _entry(spec, name, per[name], built, link, world) for name in names}
+
+
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
 
     import embrace_fairseq.fairseq_adapter  # noqa: F401  (archs, CPU fixes)
-    from embrace_fairseq.core.ledger import global_ledger
-
-    from embrace_fairseq.perf.bench import strategies as S
     from embrace_fairseq.perf.bench import workloads as W
     from embrace_fairseq.perf.bench.comm_count import CollectiveCounter, counting
-    from embrace_fairseq.perf.bench.netem_cluster import Cluster, LinkSpec, RankPlacement
+    from embrace_fairseq.perf.bench.netem_cluster import LinkSpec, RankPlacement
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -87,100 +187,21 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
     w = W.workloads(spec["quick"])[spec["model"]]
-    data, cache = Path(spec["data"]), Path(spec["cache"])
-    batches = W.build_task_and_batches(w, world, data, cache)
+    batches = W.build_task_and_batches(w, world, Path(spec["data"]), Path(spec["cache"]))
     counter = CollectiveCounter()
-    trace_dir = Path(spec["out"]) / "traces"
-    built: Dict[str, Any] = {}
     t_build = time.perf_counter()
-    for name in spec["strategies"]:
-        prefix = str(Path(spec["tmp"]) / f"trace_{name}") if name in S.EMBRACE else None
-        built[name] = S.build(name, w, batches.task, data, counter, trace_prefix=prefix)
+    built = _build_all(spec, w, batches, counter)
     build_s = time.perf_counter() - t_build
     _log(rank, f"built {len(built)} strategies in {build_s:.0f}s")
-    place = RankPlacement(**spec["placement"][rank])
-    tx_path = place.tx_bytes_path()
+    tx_path = RankPlacement(**spec["placement"][rank]).tx_bytes_path()
     results: Dict[str, Any] = {"rank": rank, "world_size": world, "build_s": build_s, "links": []}
-    ledger = global_ledger()
-
     with counting(counter):
         for li, link_d in enumerate(spec["links"]):
             link = LinkSpec(**link_d)
-            dist.barrier()
-            if li > 0 and rank == 0 and not spec["loopback"]:
-                c = Cluster(world, spec["cluster"]["tag"], False,
-                            ranks=[RankPlacement(**p) for p in spec["placement"]],
-                            switch_ns=spec["cluster"]["switch_ns"])
-                c.set_link(link)
-            dist.barrier()
+            _set_link(spec, li, link, rank, world)
             _log(rank, f"link {link.label()}: warm-up")
-            for name in spec["strategies"]:
-                s = built[name]
-                for _ in range(spec["warmup"]):
-                    s.step(batches.get(s.steps_done, rank))
-            per: Dict[str, Dict[str, Any]] = {
-                n: {"step_s": [], "loss": [], "bytes": {}, "counted": {}, "wire": 0.0, "steps": 0,
-                    "batch_steps": [], "tokens": 0}
-                for n in spec["strategies"]}
-            for n in S.EMBRACE:
-                if n in built and built[n].hook is not None:
-                    built[n].hook.tracer.clear()
-            names = list(spec["strategies"])
-            for r in range(spec["rounds"]):
-                _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']}")
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
-                    s, rec = built[name], per[name]
-                    counter.take()
-                    counter.enabled = True
-                    led0 = _ledger_bytes(ledger.snapshot())
-                    tx0 = _tx_bytes(tx_path)
-                    for _ in range(spec["steps_per_round"]):
-                        batch = batches.get(s.steps_done, rank)
-                        rec["batch_steps"].append(s.steps_done)
-                        rec["tokens"] += int(batch["ntokens"])
-                        counter.enabled = False
-                        dist.barrier()
-                        counter.enabled = True
-                        t0 = time.perf_counter()
-                        loss = s.step(batch)
-                        rec["step_s"].append(time.perf_counter() - t0)
-                        rec["loss"].append(loss)
-                        rec["steps"] += 1
-                    counter.enabled = False
-                    rec["wire"] += _tx_bytes(tx_path) - tx0
-                    for k, v in _diff(_ledger_bytes(ledger.snapshot()), led0).items():
-                        k = _LEDGER_KINDS.get(k, k)
-                        rec["bytes"][k] = rec["bytes"].get(k, 0.0) + v
-                    for k, v in counter.take().items():
-                        rec["counted"][k] = rec["counted"].get(k, 0.0) + v
-            out_link: Dict[str, Any] = {"link": link_d, "strategies": {}}
-            for name in names:
-                rec = per[name]
-                n = max(1, rec["steps"])
-                if name in S.EMBRACE:
-                    by_kind = {k: v / n for k, v in rec["bytes"].items()}
-                else:
-                    by_kind = {}
-                    for k, v in rec["counted"].items():
-                        kk = _STOCK_KINDS.get(k, k)
-                        by_kind[kk] = by_kind.get(kk, 0.0) + v / n
-                entry = {"step_s": rec["step_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
-                         "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
-                         "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
-                         "tokens": rec["tokens"], "batch_steps": rec["batch_steps"]}
-                hook = built[name].hook
-                if hook is not None:
-                    summ = hook.tracer.summary()
-                    entry["trace_summary"] = summ
-                    entry["hidden_share"] = summ.get("hidden_share")
-                    tdir = trace_dir / f"{spec['model']}_w{world}_{link.label()}"
-                    path = hook.tracer.save(str(tdir / name))
-                    entry["trace"] = os.path.relpath(path, spec["out"])
-                    hook.tracer.clear()
-                out_link["strategies"][name] = entry
-            results["links"].append(out_link)
-
+            strategies = _measure_link(spec, built, batches, rank, counter, tx_path, link, world)
+            results["links"].append({"link": link_d, "strategies": strategies})
     # compute profile: one process at a time, no communication (rank 0; the others wait)
     dist.barrier()
     if rank == 0:
@@ -196,7 +217,7 @@ def _profile(built, batches, spec, w) -> Dict[str, Any]:
     """Median forward / backward / optimizer seconds of the stock model alone."""
     from embrace_fairseq.perf.bench import workloads as W
 
-    s = built.get("fairseq_legacy_ddp") or next(iter(built.values()))
+    s = built.get(REFERENCE) or next(iter(built.values()))
     model = s.module
     criterion, opt = s.extra["criterion"], s.extra["optimizer"]
     if s.engine is not None:  # only DeepSpeed strategies built: a local copy of the stock model

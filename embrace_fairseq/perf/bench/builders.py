@@ -1,0 +1,200 @@
+"""The benchmark builders: the ways to train the same model data-parallel, each as a ``step(batch)``.
+
+(a) ``fairseq_legacy_ddp`` / ``fairseq_c10d``: the stock fairseq model under fairseq's
+    ``DistributedFairseqModel`` (``LegacyDistributedDataParallel``; torch DDP for c10d);
+(b) ``deepspeed``: the stock model under the stock DeepSpeed engine (ZeRO stage 0);
+(c) ``sparse_allgather``: the stock model with ``nn.Embedding(sparse=True)`` under
+    DeepSpeed, which all-gathers the sparse gradient's indices and values; the torch Adam
+    then gets the gathered gradient as a dense tensor (it takes no sparse gradients);
+(d) ``embrace_noschedule``: the EmbRace architecture on DeepSpeed with the EmbRace hook,
+    schedule off (``overlap``, ``model_level``, ``tensor_level`` false);
+(e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults).
+
+Each is registered with its strategy in :mod:`embrace_fairseq.perf.strategies`.
+Every strategy: same fairseq arguments, seed, criterion, torch Adam (lr 1e-3), no
+clipping (DeepSpeed's default of 1.0 turned off), loss = criterion sum / sample size of the rank's batch.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from embrace_fairseq.perf.bench import workloads as W
+from embrace_fairseq.perf.bench.comm_count import CollectiveCounter
+
+from embrace_fairseq.perf.strategies import get_strategy
+
+LR = 1e-3
+ROWS_PER_RANK = 1  # DeepSpeed's micro batch size: one fairseq batch per rank
+
+
+class _CallThrough:
+    """Lets a fairseq criterion call a wrapper (DDP, engine) while reading the module's attributes."""
+
+    def __init__(self, wrapped: Callable, module: torch.nn.Module) -> None:
+        self._wrapped, self._module = wrapped, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+@dataclass
+class Strategy:
+    name: str
+    module: torch.nn.Module  # the fairseq model itself
+    step_fn: Callable[[Dict[str, Any]], float]
+    engine: Any = None
+    steps_done: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hook(self) -> Any:
+        return getattr(self.engine, "embrace", None)
+
+    def step(self, batch: Dict[str, Any]) -> float:
+        loss = self.step_fn(batch)
+        self.steps_done += 1
+        return loss
+
+
+def _loss(criterion, model_like, batch) -> torch.Tensor:
+    loss, sample_size, _ = criterion(model_like, batch)
+    return loss / max(1, sample_size)
+
+
+def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int) -> Dict[str, Any]:
+    cfg: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch_rows,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; fairseq's default is no clipping
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 0},
+    }
+    if embrace is not None:
+        cfg["embrace"] = embrace
+    return cfg
+
+
+def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Strategy:
+    """The stock model under fairseq's DistributedFairseqModel (``legacy_ddp`` or ``c10d``)."""
+    import torch.distributed as dist
+    from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
+
+    criterion = W.build_criterion(w, task)
+    model = W.build_model(w, w.stock_arch, task, data)
+    args = argparse.Namespace(tpu=False, ddp_backend=backend, device_id=0, broadcast_buffers=False,
+                              bucket_cap_mb=25, find_unused_parameters=False, gradient_as_bucket_view=False,
+                              ddp_comm_hook="none")
+    wrapped = DistributedFairseqModel(args, model, dist.group.WORLD, torch.device("cpu"))
+    if backend == "c10d":
+        # torch's stock all-reduce hook (what DDP does by default), issued from Python so that
+        # the counted torch.distributed.all_reduce sees its buckets
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        wrapped.module.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    call = _CallThrough(wrapped, model)
+
+    def step(batch: Dict[str, Any]) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(criterion, call, batch)
+        loss.backward()
+        if backend == "legacy_ddp":
+            wrapped.all_reduce_grads()  # what fairseq's optimizer wrapper calls before the step
+        opt.step()
+        return float(loss.detach())
+
+    return Strategy(name, model, step, extra={"optimizer": opt, "criterion": criterion})
+
+
+def _on_deepspeed(name: str, model: torch.nn.Module, criterion: Any, engine: Any, opt: Any,
+                  sparse: bool = False) -> Strategy:
+    """One step through a DeepSpeed engine (stock or with the EmbRace hook)."""
+    call = _CallThrough(engine, model)
+
+    def ds_step(batch: Dict[str, Any]) -> float:
+        loss = _loss(criterion, call, batch)
+        engine.backward(loss)  # stock: reduces here (the sparse gradient by all-gather)
+        if sparse:
+            for p in model.parameters():
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+        engine.step()
+        return float(loss.detach())
+
+    return Strategy(name, model, ds_step, engine=engine, extra={"optimizer": opt, "criterion": criterion})
+
+
+def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool) -> Strategy:
+    """The stock model under the stock engine; ``sparse``: its token table sparse."""
+    import deepspeed
+
+    criterion = W.build_criterion(w, task)
+    model = W.build_model(w, w.stock_arch, task, data)
+    if sparse:
+        table = model.encoder.embed_tokens if w.name == "translation" else model.decoder.embed_tokens
+        table.sparse = True
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(None, ROWS_PER_RANK))
+    return _on_deepspeed(name, model, criterion, engine, opt, sparse)
+
+
+def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_prefix: Optional[str]) -> Strategy:
+    """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on or off."""
+    from embrace_fairseq.deepspeed_adapter import initialize
+
+    criterion = W.build_criterion(w, task)
+    model = W.build_model(w, w.embrace_arch, task, data)
+    section: Dict[str, Any] = {} if schedule else {"overlap": False, "model_level": False, "tensor_level": False}
+    if trace_prefix:
+        section["trace"] = trace_prefix
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(section, ROWS_PER_RANK))
+    return _on_deepspeed(name, model, criterion, engine, opt)
+
+
+# The builders registered in embrace_fairseq.perf.strategies: each builds one strategy
+# over the default process group (a collective: all ranks call it).
+# Signature: (name, workload, task, data, counter, trace_prefix=None) -> Strategy.
+
+def build_legacy_ddp(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                     trace_prefix: Optional[str] = None) -> Strategy:
+    return _fairseq_ddp(name, "legacy_ddp", w, task, data)
+
+
+def build_c10d(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+               trace_prefix: Optional[str] = None) -> Strategy:
+    return _fairseq_ddp(name, "c10d", w, task, data)
+
+
+def build_deepspeed(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                    trace_prefix: Optional[str] = None) -> Strategy:
+    return _deepspeed_stock(name, w, task, data, sparse=False)
+
+
+def build_sparse_allgather(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                           trace_prefix: Optional[str] = None) -> Strategy:
+    return _deepspeed_stock(name, w, task, data, sparse=True)
+
+
+def build_embrace_noschedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                             trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, False, trace_prefix)
+
+
+def build_embrace_schedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                           trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, True, trace_prefix)
+
+
+def build(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+          trace_prefix: Optional[str] = None) -> Strategy:
+    """Build the registered strategy ``name`` (a collective: all ranks call it)."""
+    spec = get_strategy(name)
+    return spec.build(spec.name, w, task, data, counter, trace_prefix=trace_prefix)

@@ -1,0 +1,142 @@
+"""``report.md`` of a benchmark result: setup, profiles, a table per run, the goal."""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Dict, List, Optional
+
+from embrace_fairseq.perf.bench.keys import run_key
+from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, STRATEGIES, get_strategy
+
+
+def _mb(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def _setup(meta: Dict[str, Any]) -> List[str]:
+    L = [f"# EmbRace benchmark ({meta['mode']} mode)", ""]
+    L.append(f"Command: `{meta['command']}`; wall {meta['wall_s'] or 0:.0f} s; versions "
+             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".")
+    L.append("")
+    if meta["fallback_loopback"]:
+        L.append(f"**FALLBACK: loopback, no emulated links** ({meta['fallback_reason']}). Communication is "
+                 "nearly free here; these figures do not show link-bound behaviour.")
+    else:
+        L.append(f"Emulated cluster: one network namespace per rank, veth to a bridge in a switch namespace, "
+                 f"each rank's link shaped in both directions ({meta['link']['shaping']}); rates "
+                 f"{', '.join(f'{g:g}' for g in meta['link']['gbit'])} Gbit/s"
+                 + ("" if meta["latency_applied"] else
+                    f"; the {meta['link']['latency_ms']:g} ms latency was NOT applied (this kernel has no sch_netem)")
+                 + ".")
+    cpus = meta["machine"]["cpus"]
+    L.append(f"Machine: {cpus} CPU cores, 1 torch thread per rank, load at start "
+             f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_at_start'])}. "
+             + ("4 ranks oversubscribe the cores: compute is slower than on 4 real nodes." if cpus and cpus < 4 else ""))
+    s = meta["schedule"]
+    L.append(f"Steps: {s['warmup']} warm-up, then {s['rounds']} rounds x {s['steps_per_round']} timed steps per strategy, "
+             f"interleaved ({s['interleaving']}); step time = slowest rank's, after a barrier. "
+             f"Bounds: {meta['bounds']}.")
+    L.append("")
+    return L
+
+
+def _profiles(result: Dict[str, Any]) -> List[str]:
+    L = []
+    for model, p in result["profiles"].items():
+        c = p["compute_s"]
+        L.append(f"**{model}**: vocab {p['vocab']:,}, dim {p['dim']}, table {p['vocab'] * p['dim']:,} params, "
+                 f"dense {p['dense_numel']:,} params, {p['tokens_per_rank']} target tokens per rank per step; "
+                 f"single-process compute forward {c['forward']:.3f} s, backward {c['backward']:.3f} s, "
+                 f"optimizer {c['optimizer']:.3f} s; unique ids per rank: "
+                 + "; ".join(f"{w} ranks {statistics.fmean(v):.0f}" for w, v in p["unique_ids_per_rank"].items()) + ".")
+    L.append("")
+    return L
+
+
+def _run_row(r: Dict[str, Any], ratios: Dict[str, float], drift: Dict[str, float]) -> str:
+    kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(r["bytes_per_rank_per_step"].items(),
+                                                               key=lambda kv: -kv[1]) if v >= 1e3)
+    over = "-" if r["bytes_over_min"] is None else f"{r['bytes_over_min']:.2f}"
+    hid = "-" if r["hidden_share"] is None else f"{100 * r['hidden_share']:.0f}%"
+    sp = "-" if r["strategy"] == SPEEDUP_SUBJECT else f"{ratios.get(r['strategy'], float('nan')):.2f}x"
+    return (f"| {get_strategy(r['strategy']).label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{_mb(r['bytes_total_per_rank_per_step'])} ({kinds or '-'}) | "
+            f"{_mb(r['wire_bytes_per_rank_per_step'])} | {over} | {hid} | {sp} | "
+            f"{drift.get(r['strategy'], 0.0):.1e} |")
+
+
+def _run_tables(result: Dict[str, Any]) -> List[str]:
+    L = []
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in result["runs"]:
+        groups.setdefault(run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]}),
+                          []).append(r)
+    for key, rs in groups.items():
+        L.append(f"## {key}")
+        L.append("")
+        L.append("| strategy | median step s | tokens/s | MB sent/rank/step (by kind) | wire MB | bytes/min | hidden | (e) speedup | loss drift |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        ratios = result["ratios"].get(key, {})
+        drift = result["loss_max_rel_diff_vs_legacy_ddp"].get(key, {})
+        L += [_run_row(r, ratios, drift) for r in sorted(rs, key=lambda r: STRATEGIES.index(r["strategy"]))]
+        L.append("")
+    return L
+
+
+def _goal_line(model: str, k: str, v: Dict[str, Any]) -> str:
+    m = v.get("measured")
+    state = "met" if v.get("met") else ("n/a" if v.get("met") is None else "MISSED")
+    extra = ""
+    if k.startswith("speedup") and not v["met"]:
+        extra = f" (short by {v['shortfall']:.2f}x)"
+    if k == "schedule_vs_noschedule":
+        hs = v.get("hidden_share")
+        extra = f"; hidden share of communication {'-' if hs is None else f'{100 * hs:.0f}%'} with the schedule"
+    return f"- {model}, {k}: target {v['target']}, measured {'-' if m is None else f'{m:.2f}'} -> {state}{extra}"
+
+
+def _why(result: Dict[str, Any], model: str) -> List[str]:
+    """Where the subject strategy's bytes and time go at 4 ranks, 1 Gbit/s."""
+    meta = result["meta"]
+    sel = {r["strategy"]: r for r in result["runs"]
+           if r["model"] == model and r["world_size"] == 4 and r["link_gbit"] == 1.0}
+    e = sel.get(SPEEDUP_SUBJECT)
+    if e is None:
+        return []
+    c = result["profiles"][model]["compute_s"]
+    eb = e["bytes_per_rank_per_step"]
+    table = eb.get("table_gather", 0.0) + eb.get("table_grad", 0.0)
+    others = ", ".join(f"{s} {r['bytes_total_per_rank_per_step'] / 1e6:.1f} MB in {r['median_step_s']:.3f} s"
+                       for s, r in sel.items() if s != SPEEDUP_SUBJECT)
+    return [f"  - why: (e) sends {e['bytes_total_per_rank_per_step'] / 1e6:.1f} MB per rank per step in "
+            f"{e['median_step_s']:.3f} s ({others})"
+            + (f"; {table / 1e6:.1f} MB of it is the tied output projection's full-table all-gather and "
+               "reduce-scatter, the volume of the table's all-reduce" if table else "")
+            + f". Compute: forward+backward {c['forward'] + c['backward']:.3f} s and a full-table optimizer "
+            f"step {c['optimizer']:.3f} s in one process alone; 4 ranks share "
+            f"{meta['machine']['cpus']} cores, so compute takes about {4 / max(1, meta['machine']['cpus'] or 1):.0f}x "
+            "longer in the run and the communication left to save is a smaller part of the step."]
+
+
+def _goal(result: Dict[str, Any]) -> List[str]:
+    L = ["## Goal (4 ranks, 1 Gbit/s)", ""]
+    if not result["goal"]:
+        L.append("No 4-rank 1 Gbit/s run in this report.")
+    for model, g in result["goal"].items():
+        L += [_goal_line(model, k, v) for k, v in g.items()]
+        L += _why(result, model)
+    L.append("")
+    return L
+
+
+def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
+    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _goal(result)
+    L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
+             "difference of the per-step loss from legacy_ddp's on the same batches (all strategies are the same "
+             "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "
+             "ledger for (d)/(e) and from the collectives the stock paths issue; 'wire' = tx_bytes of the rank's "
+             "veth (headers included).")
+    L.append("")
+    for name in plot_names:
+        L.append(f"![{name}]({name})")
+    L.append("")
+    return "\n".join(L)

@@ -1,0 +1,123 @@
+"""``python -m embrace_fairseq.perf.simulator validate|paper|measure``.
+
+``validate BENCH_JSON [--fit]``: prediction error against a bench JSON's measured runs;
+``paper [--out results/simulator/]``: 8 to 64 GPUs for the paper's models;
+``measure``: time the stock translation Transformer on this CPU (a profile JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from embrace_fairseq.perf.simulator.measure import measure_translation_profile
+from embrace_fairseq.perf.simulator.paper import markdown, paper_study, plot
+from embrace_fairseq.perf.simulator.profile import Options
+from embrace_fairseq.perf.simulator.validation import fit_network, validate
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.simulator",
+                                 description="Step-time cost model of the data-parallel strategies, for any world size and link.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="prediction error against a bench JSON's measured runs")
+    v.add_argument("bench_json")
+    v.add_argument("--efficiency", type=float, default=1.0, help="share of the line rate collectives reach")
+    v.add_argument("--overhead-ms", type=float, default=0.0, help="software cost per collective")
+    v.add_argument("--host-ns-per-byte", type=float, default=0.0, help="CPU time per byte sent (one-machine emulation)")
+    v.add_argument("--no-oversubscription", action="store_true",
+                   help="do not scale compute by ranks per CPU core")
+    v.add_argument("--tied-output", action="append", default=[], metavar="MODEL=MODE",
+                   help="override a profile's tied_output (none|gather|vocab_parallel)")
+    v.add_argument("--defer-rows", action="store_true",
+                   help="model the relaxed deferral of gradient rows (a design the exchange does not implement yet)")
+    v.add_argument("--fit", action="store_true",
+                   help="also fit efficiency, per-collective overhead and host cost per byte (with held-out errors)")
+    v.add_argument("--out", help="write the comparison JSON here")
+    p = sub.add_parser("paper", help="8-64 GPU projection of the paper's models")
+    p.add_argument("--out", default="results/simulator/")
+    m = sub.add_parser("measure", help="time the stock translation Transformer on this CPU (a profile JSON)")
+    m.add_argument("--data", default="data/deen/bin")
+    m.add_argument("--max-tokens", type=int, default=512)
+    m.add_argument("--worlds", default="2,4,8", help="world sizes to deal batches to")
+    m.add_argument("--out", default="results/simulator/cpu_profile.json")
+    return ap
+
+
+def _measure(a: argparse.Namespace) -> int:
+    prof = measure_translation_profile(a.data, max_tokens=a.max_tokens, worlds=[int(x) for x in a.worlds.split(",")])
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"profiles": {"translation": prof}, "runs": []}, indent=2))
+    print(json.dumps(prof["compute_s"]), f"zipf_s={prof['zipf_s']:.2f}", f"-> {a.out}")
+    for n, c in prof["sparse_load_check"].items():
+        print(f"N={n}: busiest rank's rows measured {c['busiest_rows_measured']:.0f}, Zipf model "
+              f"{c['busiest_rows_zipf']:.0f} (average off-owner ids {c['off_owner_mean_zipf']:.0f})")
+    return 0
+
+
+def _print_validation(res: dict) -> None:
+    print(f"{'model':12s} {'N':>3s} {'Gbit':>5s} {'strategy':20s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
+    for r in res["runs"]:
+        print(f"{r['model']:12s} {r['world_size']:3d} {r['link_gbit']:5g} {r['strategy']:20s} "
+              f"{r['measured_s']:9.4f} {r['predicted_s']:9.4f} {100 * r['rel_error']:+6.1f}%")
+    if res["mean_abs_rel_error"] is None:
+        return
+    print(f"mean |error| {100 * res['mean_abs_rel_error']:.1f}%, median {100 * res['median_abs_rel_error']:.1f}%, "
+          f"max {100 * res['max_abs_rel_error']:.1f}% over {len(res['runs'])} runs"
+          + (f"; the runs' own step-time spread (IQR/median) is {100 * res['median_measured_rel_iqr']:.0f}% (median)"
+             if res.get("median_measured_rel_iqr") is not None else ""))
+    sp = res.get("speedups_of_embrace_schedule") or []
+    if sp:
+        print("speedup of embrace_schedule over:   measured  predicted")
+        for x in sp:
+            print(f"  {x['model']:11s} N={x['world_size']} {x['link_gbit']:4g} Gbit {x['over']:20s} "
+                  f"{x['measured']:6.2f}x  {x['predicted']:6.2f}x")
+        print(f"mean |error| of the speedups: {100 * res['speedup_mean_abs_rel_error']:.1f}%")
+
+
+def _validate(a: argparse.Namespace) -> int:
+    with open(a.bench_json) as fh:
+        bench = json.load(fh)
+    tied = dict(x.split("=", 1) for x in a.tied_output)
+    opts = Options(defer_rows=a.defer_rows)
+    res = validate(bench, efficiency=a.efficiency, overhead_s=a.overhead_ms / 1e3,
+                   host_s_per_byte=a.host_ns_per_byte * 1e-9, tied=tied, opts=opts,
+                   oversubscription=not a.no_oversubscription)
+    _print_validation(res)
+    if res["mean_abs_rel_error"] is None:
+        print(res.get("skipped") or "no measured runs to compare with")
+        return 1
+    if a.fit:
+        res["fit"] = f = fit_network(bench, tied=tied, opts=opts, oversubscription=not a.no_oversubscription)
+        print(f"fitted: efficiency {f['efficiency']:.2f}, overhead {1e3 * f['overhead_s']:.2f} ms per collective, "
+              f"host {1e9 * f['host_s_per_byte']:.0f} ns per byte; mean |error| "
+              f"{100 * f['in_sample_mean_abs_rel_error']:.1f}% in sample"
+              + "".join(f", {100 * e:.1f}% holding out each {k}" for k, e in f["holdout"].items()))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def _paper(a: argparse.Namespace) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    study = paper_study()
+    (out / "paper_projection.json").write_text(json.dumps(study, indent=2))
+    md = markdown(study)
+    (out / "paper_projection.md").write_text(md)
+    plot(study, out / "paper_projection.png")
+    print(md)
+    print(f"wrote {out / 'paper_projection.json'}, {out / 'paper_projection.md'}, {out / 'paper_projection.png'}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    return {"measure": _measure, "validate": _validate, "paper": _paper}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Step cost of the stock strategies: gradients all-reduced (or all-gathered) whole.
+
+Registered with the strategies in :mod:`embrace_fairseq.perf.strategies`; each
+function takes a :class:`~.prediction.CostContext` and returns a prediction.
+"""
+from __future__ import annotations
+
+from embrace_fairseq.perf.simulator.link import Job, dense_specs, flat_buckets, ready_times, run_link
+from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
+from embrace_fairseq.schedule.plan import TensorSpec, make_buckets
+
+INT64_BYTES = 8.0  # DeepSpeed gathers sizes and sparse indices as int64
+
+
+def _flat_allreduce(ctx: CostContext, cap_numel: int) -> Prediction:
+    """Backward, then every parameter (the table first: registration order) all-reduced
+    in flat buffers of up to ``cap_numel`` elements, then the optimizer."""
+    e, n = ctx.profile.element_size, ctx.world_size
+    buckets = flat_buckets([ctx.table_numel] + ctx.dense_numels, cap_numel)
+    comm = sum(ctx.net.allreduce(b * e, n) for b in buckets)
+    return ctx.not_overlapped(comm, {"allreduce_s": comm})
+
+
+def legacy_ddp(ctx: CostContext) -> Prediction:
+    return _flat_allreduce(ctx, ctx.opts.legacy_ddp_buffer_numel)
+
+
+def deepspeed(ctx: CostContext) -> Prediction:
+    return _flat_allreduce(ctx, ctx.opts.deepspeed_bucket_numel)
+
+
+def c10d(ctx: CostContext) -> Prediction:
+    """torch DDP: buckets all-reduced in readiness order while the backward runs; the
+    table is used at the input (and at the output when tied), so it is ready last."""
+    F, B, O = ctx.forward_s, ctx.backward_s, ctx.optimizer_s
+    n, net = ctx.world_size, ctx.net
+    specs = [TensorSpec("embed_tokens", ctx.table_numel, ctx.profile.element_size, 0)] + dense_specs(ctx.profile, False)
+    ready = ready_times(specs[1:], B)
+    ready_all = {0: B, **{i + 1: t for i, t in ready.items()}}
+    order = sorted(range(len(specs)), key=lambda i: (ready_all[i], -i))
+    buckets = make_buckets(specs, order, ctx.opts.c10d_bucket_bytes)
+    jobs = [
+        Job(f"b{b.index}", F + max(ready_all[i] for i in b.tensors), net.allreduce(b.nbytes, n), (b.index,))
+        for b in buckets
+    ]
+    spans = run_link(jobs)
+    end = max([F + B] + [s[1] for s in spans.values()])
+    comm = sum(j.duration for j in jobs)
+    step = end + O
+    return ctx.prediction(step, comm, step - ctx.compute_s, {})
+
+
+def sparse_allgather(ctx: CostContext) -> Prediction:
+    """Dense gradients all-reduced as DeepSpeed does; the table's coalesced sparse
+    gradient all-gathered (sizes, int64 indices, values; blocks padded to the largest).
+    A tied output projection makes the table's gradient dense: all-reduced."""
+    prof, n, net = ctx.profile, ctx.world_size, ctx.net
+    e, D = prof.element_size, prof.dim
+    dense_comm = sum(net.allreduce(b * e, n) for b in flat_buckets(ctx.dense_numels, ctx.opts.deepspeed_bucket_numel))
+    if prof.tied_output is not None:
+        sparse = net.allreduce(prof.table_bytes, n)
+    else:
+        umax = ctx.loads.unique_max
+        sparse = 2 * net.allgather(INT64_BYTES * n, n)  # sizes, twice (indices, values)
+        sparse += net.allgather(n * umax * INT64_BYTES, n)  # int64 indices, padded to the largest
+        sparse += net.allgather(n * umax * D * e, n)  # gradient rows, padded
+    return ctx.not_overlapped(dense_comm + sparse, {"allreduce_s": dense_comm, "sparse_s": sparse})

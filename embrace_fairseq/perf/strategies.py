@@ -1,0 +1,158 @@
+"""The data-parallel strategies, each registered once, in the style of fairseq's registries.
+
+A strategy is registered under one name with everything the performance tools need
+of it: its byte formula (:mod:`.volume`, what :func:`.bounds.min_bytes_per_step`
+returns), its cost in the alpha-beta simulator (:mod:`.simulator`), its builder in
+the emulated-cluster benchmark (:mod:`.bench`), a label for reports and the aliases
+users and older JSON files call it by. Everything else looks strategies up here
+(:func:`get_strategy`), so adding a strategy is one :func:`register_strategy` call.
+
+Importing this module stays cheap: the simulator costs (numpy) and the benchmark
+builders (torch, fairseq, DeepSpeed) are named by module and attribute and imported
+on first call (:class:`LazyRef`); the byte formulas are plain arithmetic.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
+
+from embrace_fairseq.perf import volume as V
+
+# the strategy every speedup is "of", the same with its schedule off (what the schedule
+# gains), and the stock one losses and compute are measured against
+SPEEDUP_SUBJECT = "embrace_schedule"
+UNSCHEDULED_SUBJECT = "embrace_noschedule"
+REFERENCE = "fairseq_legacy_ddp"
+
+
+@dataclass(frozen=True)
+class LazyRef:
+    """A function named by module and attribute, imported when first called."""
+
+    module: str
+    attr: str
+
+    def resolve(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.attr)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One data-parallel strategy and its parts, keyed by :attr:`name`."""
+
+    name: str
+    label: str  # for tables and plots, e.g. "(b) DeepSpeed stock"
+    short: str  # a column header, e.g. "DeepSpeed"
+    description: str
+    aliases: Tuple[str, ...]
+    volume: Callable[[V.StepTraffic], Dict[str, float]]  # bytes per rank per step by kind
+    cost: Callable[..., Any]  # simulator: (CostContext) -> Prediction
+    build: Callable[..., Any]  # benchmark: (workload, task, data, counter, trace_prefix) -> bench Strategy
+    shards_table: bool = False  # EmbRace: the table is vocab-sharded, its bytes come from the ledger
+
+
+_REGISTRY: Dict[str, StrategySpec] = {}
+_ALIASES: Dict[str, str] = {}
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def register_strategy(name: str, *, label: str, short: str, description: str,
+                      volume: Callable[[V.StepTraffic], Dict[str, float]], cost: Callable[..., Any],
+                      build: Callable[..., Any], aliases: Tuple[str, ...] = (),
+                      shards_table: bool = False) -> StrategySpec:
+    """Register a strategy under ``name`` (and its aliases); a name taken twice raises."""
+    if _key(name) != name:
+        raise ValueError(f"strategy names are lower case with underscores, got {name!r}")
+    for n in (name, *(_key(a) for a in aliases)):
+        if n in _REGISTRY or n in _ALIASES:
+            raise ValueError(f"strategy name {n!r} is registered already")
+    spec = StrategySpec(name, label, short, description, tuple(aliases), volume, cost, build, shards_table)
+    _REGISTRY[name] = spec
+    _ALIASES.update({_key(a): name for a in aliases})
+    return spec
+
+
+def strategy_names() -> Tuple[str, ...]:
+    """The registered names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def canonical_strategy(name: str) -> str:
+    """The registered name of ``name`` or of its alias (case, ``-`` or ``_`` alike)."""
+    key = _key(name)
+    key = _ALIASES.get(key, key)
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {', '.join(_REGISTRY)}")
+    return key
+
+
+def get_strategy(name: str) -> StrategySpec:
+    """The registered strategy of ``name`` or of its alias; ``ValueError`` naming the known ones."""
+    return _REGISTRY[canonical_strategy(name)]
+
+
+def aliases() -> Dict[str, str]:
+    """Alias -> registered name."""
+    return dict(_ALIASES)
+
+
+def sharded_strategies() -> List[str]:
+    """The strategies that shard the table (EmbRace's)."""
+    return [s.name for s in _REGISTRY.values() if s.shards_table]
+
+
+# ------------------------------------------------------------------ the strategies
+
+_COSTS = "embrace_fairseq.perf.simulator.allreduce_costs"
+_EMBRACE_COSTS = "embrace_fairseq.perf.simulator.embrace_costs"
+_BUILDERS = "embrace_fairseq.perf.bench.builders"
+
+register_strategy(
+    "fairseq_legacy_ddp", label="(a) fairseq legacy_ddp", short="legacy_ddp",
+    aliases=("legacy_ddp", "fairseq", "fairseq_stock", "a"),
+    description="stock fairseq model, LegacyDistributedDataParallel: backward, then every gradient all-reduced "
+                "in flat buffers of up to 2**28 elements, then the optimizer",
+    volume=V.dense_allreduce, cost=LazyRef(_COSTS, "legacy_ddp"), build=LazyRef(_BUILDERS, "build_legacy_ddp"),
+)
+register_strategy(
+    "fairseq_c10d", label="(a') fairseq c10d (torch DDP)", short="c10d", aliases=("c10d",),
+    description="stock fairseq model under torch DDP: 25 MB buckets all-reduced in readiness order during "
+                "the backward (the input table is ready last)",
+    volume=V.dense_allreduce, cost=LazyRef(_COSTS, "c10d"), build=LazyRef(_BUILDERS, "build_c10d"),
+)
+register_strategy(
+    "deepspeed", label="(b) DeepSpeed stock", short="DeepSpeed", aliases=("deepspeed_stock", "zero0", "b"),
+    description="stock model, stock DeepSpeed engine (ZeRO-0): one all-reduce after the backward, no overlap",
+    volume=V.dense_allreduce, cost=LazyRef(_COSTS, "deepspeed"), build=LazyRef(_BUILDERS, "build_deepspeed"),
+)
+register_strategy(
+    "sparse_allgather", label="(c) sparse all-gather (DeepSpeed)", short="sparse all-gather", aliases=("sparse", "c"),
+    description="nn.Embedding(sparse=True) under DeepSpeed: dense gradients all-reduced, the coalesced sparse "
+                "table gradient all-gathered (sizes, int64 indices, values, blocks padded to the largest)",
+    volume=V.sparse_allgather, cost=LazyRef(_COSTS, "sparse_allgather"),
+    build=LazyRef(_BUILDERS, "build_sparse_allgather"),
+)
+register_strategy(
+    "embrace_noschedule", label="(d) EmbRace, no schedule", short="EmbRace no schedule",
+    aliases=("embrace_no_schedule", "d"),
+    description="EmbRace on DeepSpeed, schedule off: the AlltoAll exchange before the forward, the gradient rows "
+                "after the backward, then the dense all-reduce buckets, nothing overlapped",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "noschedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_noschedule"), shards_table=True,
+)
+register_strategy(
+    "embrace_schedule", label="(e) EmbRace, 2D schedule", short="EmbRace schedule", aliases=("embrace", "e"),
+    description="EmbRace with the 2D schedule: the same traffic on one priority link, the forward exchange first, "
+                "dense pieces during the backward input-near first, urgent gradient rows before deferred ones",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_schedule"), shards_table=True,
+)
+
+STRATEGIES: Tuple[str, ...] = strategy_names()
