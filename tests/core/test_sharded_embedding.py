@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from embrace_fairseq import InvalidIdError, ShardedEmbedding, ShardPlan, fairseq_initial_table
+from embrace_fairseq import InvalidIdError, ShardedEmbedding, fairseq_initial_table
 from embrace_fairseq.tools.local_ranks import run_ranks
 
 import rank_fns_embedding as fns
@@ -77,17 +77,3 @@ def test_world_of_one_without_process_group():
     assert torch.equal(emb(ids), emb.weight[ids])
     with pytest.raises(InvalidIdError, match="id 5 .* 5 rows"):
         emb(torch.tensor([5]))
-
-
-@pytest.mark.parametrize("vocab", [0, 1, 2, 3, 7, 10, 11, 64, 1001])
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_shard_plan(vocab, world):
-    plan = ShardPlan(vocab, world)
-    sizes = plan.sizes
-    assert sum(sizes) == vocab and max(sizes) - min(sizes) <= 1
-    ids = torch.arange(vocab)
-    owners = plan.owner(ids)
-    local = plan.local_index(ids)
-    for i in range(vocab):
-        start, end = plan.shard_range(int(owners[i]))
-        assert start <= i < end and int(local[i]) == i - start
