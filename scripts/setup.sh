@@ -11,14 +11,35 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${EMBRACE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 C="$ROOT/requirements/cpu-constraints.txt"
+# Two stamps: the environment (pins and setup.py) and the native extension (every file of
+# csrc/ and EMBRACE_BUILD_NATIVE). A change in csrc/ rebuilds the extension alone, so the
+# tests never meet a stale one (they fail on a stale or missing build unless
+# EMBRACE_BUILD_NATIVE=0 or no C++ compiler exists).
 STAMP="$VENV/.embrace-setup-$(sha1sum "$C" "$ROOT/setup.py" | sha1sum | cut -c1-12)"
+NATIVE_KEY="$( (cd "$ROOT" && find csrc -type f 2>/dev/null | LC_ALL=C sort | xargs -r sha1sum
+               echo "EMBRACE_BUILD_NATIVE=${EMBRACE_BUILD_NATIVE:-1}") | sha1sum | cut -c1-12)"
+NATIVE_STAMP="$VENV/.embrace-native-$NATIVE_KEY"
+
+if [[ -f "$STAMP" && -f "$NATIVE_STAMP" ]]; then
+  exit 0
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+native_done() {
+  rm -f "$VENV"/.embrace-native-*
+  touch "$NATIVE_STAMP"
+}
 
 if [[ -f "$STAMP" ]]; then
+  echo "[setup] csrc/ or EMBRACE_BUILD_NATIVE changed: rebuilding the native extension"
+  rm -f "$ROOT"/embrace_fairseq/_native*.so  # never leave a stale build behind
+  "${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
+  native_done
   exit 0
 fi
 echo "[setup] creating $VENV (first run builds fairseq; about 8 minutes on 2 cores)"
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+rm -f "$ROOT"/embrace_fairseq/_native*.so
 "${PIP[@]}" install -c "$C" torch numpy cython setuptools wheel
 "${PIP[@]}" install --no-build-isolation -c "$C" fairseq-fixed deepspeed sacrebleu sentencepiece pytest matplotlib
 "${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
@@ -29,3 +50,4 @@ assert not torch.version.cuda or torch.cuda.is_available() or True
 print(f"[setup] torch {torch.__version__} fairseq {fairseq.__version__} deepspeed {deepspeed.__version__}")
 PY
 touch "$STAMP"
+native_done

@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from embrace_fairseq import InvalidIdError, ShardedEmbedding, ShardPlan, fairseq_initial_table
+from embrace_fairseq import InvalidIdError, ShardedEmbedding, fairseq_initial_table
 from embrace_fairseq.tools.local_ranks import run_ranks
 
 import rank_fns_embedding as fns
@@ -23,8 +23,13 @@ def test_matches_replicated_embedding(world):
             assert r["init_diff"] == 0.0, where
             assert r["fwd_diff"] == 0.0, where
             assert r["grad_diff"] < TOL, (where, r)
-            assert r["pad_grad"] == 0.0, where
+            assert r["pad_grad"] == 0.0 and r["pad_row"] == 0.0, where
             assert r["full_diff"] == 0.0, where
+    # the padding row of the sharded table was inspected, on its owner, and it would
+    # have received gradient without the zeroing
+    pad = [per_case["padding"] for per_case in results]
+    assert sum(r["pad_owner"] for r in pad) == 1
+    assert all(r["pad_would_get"] > 0 for r in pad)
 
 
 @pytest.mark.parametrize("world,opt", [(2, "sgd"), (3, "adam"), (3, "sgd"), (2, "adam")])
@@ -63,8 +68,16 @@ def test_bad_id_raises_on_every_rank_quickly(bad_value):
 
 
 def test_state_dict_holds_full_table_and_reshards():
-    for r in run_ranks(fns.checkpoint_roundtrip, 2):
-        assert r["refused_unconsolidated"] and r["full_rows"] == 9 and r["same"]
+    """Saved on 2 ranks, loaded on 3 and on 1; saved on 3, loaded on 2 and on 1."""
+    res = run_ranks(fns.checkpoint_reshard, 3)
+    assert [tuple(r["range3"]) for r in res] == [(0, 3), (3, 6), (6, 9)]
+    assert [tuple(r["range2"]) for r in res[:2]] == [(0, 5), (5, 9)]  # other rows than on 3 ranks
+    for rank, r in enumerate(res):
+        assert r["3_from_2_shard"] and r["3_from_2_full"] and r["3_saved_moved"], (rank, r)
+        if rank < 2:
+            assert r["refused_unconsolidated"] and r["saved_rows"] == 9, (rank, r)
+            assert r["2_from_3_shard"] and r["2_from_3_full"], (rank, r)
+    assert res[0]["1_from_2"] and res[0]["1_from_3"]
 
 
 def test_world_of_one_without_process_group():
@@ -77,17 +90,3 @@ def test_world_of_one_without_process_group():
     assert torch.equal(emb(ids), emb.weight[ids])
     with pytest.raises(InvalidIdError, match="id 5 .* 5 rows"):
         emb(torch.tensor([5]))
-
-
-@pytest.mark.parametrize("vocab", [0, 1, 2, 3, 7, 10, 11, 64, 1001])
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_shard_plan(vocab, world):
-    plan = ShardPlan(vocab, world)
-    sizes = plan.sizes
-    assert sum(sizes) == vocab and max(sizes) - min(sizes) <= 1
-    ids = torch.arange(vocab)
-    owners = plan.owner(ids)
-    local = plan.local_index(ids)
-    for i in range(vocab):
-        start, end = plan.shard_range(int(owners[i]))
-        assert start <= i < end and int(local[i]) == i - start

@@ -20,7 +20,6 @@ from embrace_fairseq.deepspeed_adapter import (  # noqa: E402
     parse_embrace_config,
 )
 from embrace_fairseq.tools.local_ranks import run_ranks  # noqa: E402
-from embrace_fairseq.schedule.plan import ScheduleOptions, TensorSpec, build_schedule  # noqa: E402
 
 RTOL = 1e-4
 
@@ -135,28 +134,6 @@ def test_example_configs_parse():
     for path in glob.glob(os.path.join(root, "*.json")):
         parse_embrace_config(json.load(open(path)).get("embrace"))
     assert parse_embrace_config(None) == parse_embrace_config({})
-
-
-def test_schedule_is_static_and_prioritised():
-    """Model level: the input-near bucket overtakes the rest of a big earlier one;
-    off: readiness order. Tensor level off: one collective per bucket."""
-    specs = [TensorSpec(f"l{i}", n, 4, i) for i, n in enumerate([1000, 400_000, 1000, 2_000_000, 1000])]
-    on = build_schedule(specs, ScheduleOptions(piece_bytes=256 << 10, bucket_bytes=1 << 20))
-    again = build_schedule(specs, ScheduleOptions(piece_bytes=256 << 10, bucket_bytes=1 << 20))
-    assert on.issue_order == again.issue_order
-    input_bucket = min(on.buckets, key=lambda b: b.priority).index
-    order = [p.bucket for p in on.issue_order]
-    # the input-near bucket finishes before the last piece of a bigger, earlier-ready one
-    assert max(i for i, b in enumerate(order) if b == input_bucket) < max(i for i, b in enumerate(order) if b != input_bucket)
-    fifo = build_schedule(specs, ScheduleOptions(model_level=False, piece_bytes=256 << 10, bucket_bytes=1 << 20))
-    assert [p.bucket for p in fifo.issue_order] == sorted(p.bucket for p in fifo.issue_order)
-    whole = build_schedule(specs, ScheduleOptions(tensor_level=False, bucket_bytes=1 << 20))
-    assert len(whole.issue_order) == len(whole.buckets)
-    # every element of every bucket is covered exactly once
-    for sched in (on, fifo, whole):
-        for b in sched.buckets:
-            pieces = sorted(sched.pieces_of(b.index), key=lambda p: p.start)
-            assert sum(p.numel for p in pieces) == b.numel and pieces[0].start == 0
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import rank_fns_deepspeed as R  # noqa: E402
 from embrace_fairseq.tools.local_ranks import run_ranks  # noqa: E402
-from embrace_fairseq.optim.shard_optimizer import HyperParams, ShardOptimizer  # noqa: E402
 
 RTOL = 1e-4
 
@@ -55,32 +54,3 @@ def test_nonfinite_gradient_stops_every_rank(stage):
     for res in results:
         assert res["error"] is not None and res["isfpe"], res
         assert "emb.weight on rank 1" in res["error"], res["error"]
-
-
-@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
-def test_row_subset_steps_equal_one_full_step(kind):
-    """Element-wise rules: a step on rows A then on the complement == one step on all rows."""
-    torch.manual_seed(0)
-    w = torch.randn(11, 4)
-    grads = [torch.randn(11, 4) for _ in range(3)]
-    hp = HyperParams(lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05, momentum=0.9)
-    full_p, split_p = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
-    full, split = ShardOptimizer([full_p], kind), ShardOptimizer([split_p], kind)
-    a = torch.tensor([0, 3, 4, 9])
-    b = torch.tensor([i for i in range(11) if i not in a.tolist()])
-    for g in grads:
-        full_p.grad, split_p.grad = g.clone(), g.clone()
-        full.step(hp)
-        split.begin_step(hp)
-        split.apply([a])
-        split.apply([b])
-    assert torch.allclose(full_p, split_p, rtol=0, atol=1e-7)
-    # and it is torch's rule
-    ref_p = torch.nn.Parameter(w.clone())
-    ref = {"adam": lambda: torch.optim.Adam([ref_p], lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05),
-           "adamw": lambda: torch.optim.AdamW([ref_p], lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05),
-           "sgd": lambda: torch.optim.SGD([ref_p], lr=0.1, momentum=0.9, weight_decay=0.05)}[kind]()
-    for g in grads:
-        ref_p.grad = g.clone()
-        ref.step()
-    assert torch.allclose(full_p, ref_p, rtol=1e-6, atol=1e-6)

@@ -16,7 +16,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import rank_fns_reliability_ds as RD  # noqa: E402
 from embrace_fairseq.tools.local_ranks import RanksFailed, free_port, run_ranks  # noqa: E402
-from fairseq_corpus import fairseq_env, make_translation_corpus  # noqa: E402
+from fairseq_corpus import PER_RANK_OUTPUT, fairseq_env, make_translation_corpus, rank_lines  # noqa: E402
 from reliability_util import note  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,8 +60,8 @@ def test_ds_bad_ids_from_data_stop_every_rank(tmp_path, record_property):
     lines = (data / "dict.src.txt").read_text().splitlines(keepends=True)
     (data / "dict.src.txt").write_text("".join(lines[:-12]))
     shutil.copy(data / "dict.src.txt", data / "dict.tgt.txt")
-    env = dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent), MASTER_PORT=str(free_port()),
-               DS_CONFIG=str(ROOT / "ds_config" / "embrace_cpu.json"))
+    env = dict(fairseq_env(PER_RANK_OUTPUT), EMBRACE_VENV=str(Path(sys.executable).parent.parent),
+               MASTER_PORT=str(free_port()), DS_CONFIG=str(ROOT / "ds_config" / "embrace_cpu.json"))
     t0 = time.monotonic()
     run = subprocess.run(
         [str(ROOT / "scripts" / "ds_train_cpu.sh"), "2", str(data), "--task", "translation",
@@ -74,6 +74,9 @@ def test_ds_bad_ids_from_data_stop_every_rank(tmp_path, record_property):
     out = run.stdout + run.stderr
     assert run.returncode != 0
     assert "InvalidIdError" in out and "is out of range for a table of" in out, out[-4000:]
+    for r in (0, 1):  # each rank printed the error itself
+        assert any("InvalidIdError: embedding id" in ln for ln in rank_lines(out, r)), \
+            (r, "\n".join(rank_lines(out, r))[-3000:] or out[-3000:])
     bad = [ln for ln in out.splitlines() if "is out of range for a table of" in ln][0]
     note(record_property, "DeepSpeed", f"embrace-ds-train x2 stops: `{bad.split('InvalidIdError: ')[-1][:110]}`", took)
 

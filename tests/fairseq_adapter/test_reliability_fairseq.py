@@ -24,7 +24,8 @@ import embrace_fairseq.fairseq_adapter  # noqa: F401  (installs the checkpoint w
 from embrace_fairseq.guards.atomic_io import CheckpointWriteError, CorruptCheckpointError
 from embrace_fairseq.tools.local_ranks import free_port, run_ranks
 from embrace_fairseq.guards.watchdog import LOST_PEER_EXIT_CODE
-from fairseq_corpus import fairseq_env, make_translation_corpus, parse_json_records, run_fairseq_train, venv_script
+from fairseq_corpus import (PER_RANK_OUTPUT, fairseq_env, make_translation_corpus, parse_json_records, rank_lines,
+                            run_fairseq_train, venv_script)
 from reliability_util import kill_tree, leftover_processes, note, wait_for
 
 HERE = Path(__file__).resolve().parent
@@ -80,13 +81,19 @@ def test_bad_ids_from_data_stop_every_rank(damage, corpus, tmp_path, record_prop
     (_truncate_dictionary if damage == "dictionary" else _corrupt_bin)(data)
     t0 = time.monotonic()
     run = run_fairseq_train([str(data), "--task", "translation", *TINY, "--max-update", "30",
-                             "--save-dir", str(tmp_path / "ckpt"), "--disable-validation"], nproc=2, timeout=300)
+                             "--save-dir", str(tmp_path / "ckpt"), "--disable-validation"], nproc=2, timeout=300,
+                            env=PER_RANK_OUTPUT)
     took = time.monotonic() - t0
     assert run.returncode != 0
     out = run.output
     assert "InvalidIdError" in out and "is out of range for a table of" in out, out[-3000:]
-    # the error is raised on both ranks (torchrun prints each failed worker's error)
-    assert out.count("InvalidIdError: embedding id") >= 2 or ("rank 0" in out and "rank 1" in out), out[-4000:]
+    # the error is raised on both ranks: each rank printed it itself, naming itself (the
+    # rank that saw the id: "seen on rank R"; any other: "raised on rank R too")
+    for r in (0, 1):
+        own = [ln for ln in rank_lines(out, r) if "InvalidIdError: embedding id" in ln and "out of range" in ln]
+        assert own, (r, "\n".join(rank_lines(out, r))[-3000:] or out[-3000:])
+        assert any(f"raised on rank {r} too" in ln or (f"seen on rank {r}" in ln and "too" not in ln)
+                   for ln in own), (r, own)
     bad = [ln for ln in out.splitlines() if "is out of range for a table of" in ln][0]
     note(record_property, "fairseq", f"fairseq-train x2 stops on both ranks: `{bad.split('InvalidIdError: ')[-1][:110]}`", took)
 
@@ -389,13 +396,15 @@ def test_inf_in_one_rank_shard_gradient_fairseq(corpus, tmp_path, record_propert
     run = run_fairseq_train([str(corpus), "--task", "translation", *TINY, "--max-update", "6",
                              "--save-dir", str(tmp_path / "ckpt"), "--disable-validation", "--no-save",
                              "--user-dir", str(HERE.parent / "harness" / "fault_user_dir")],
-                            nproc=2, env={"EMBRACE_TEST_INF_AT": "3", "EMBRACE_TEST_INF_RANK": "1"},
+                            nproc=2, env={"EMBRACE_TEST_INF_AT": "3", "EMBRACE_TEST_INF_RANK": "1", **PER_RANK_OUTPUT},
                             timeout=300, user_dir=None)
     out = run.output
     assert run.returncode != 0
-    assert "injected inf into the shard gradient on rank 1" in out, out[-3000:]
-    assert out.count("FloatingPointError: gradients are Nan/Inf") >= 2 or \
-        ("FloatingPointError" in out and "gradients are Nan/Inf" in out), out[-4000:]
+    assert any("injected inf into the shard gradient on rank 1" in ln for ln in rank_lines(out, 1)), out[-3000:]
+    # every rank stops with the error, printed by that rank itself
+    for r in (0, 1):
+        assert any("FloatingPointError: gradients are Nan/Inf" in ln for ln in rank_lines(out, r)), \
+            (r, "\n".join(rank_lines(out, r))[-3000:] or out[-3000:])
     assert [int(r["num_updates"]) for r in run.updates] == [1, 2]  # no rank applied update 3
     note(record_property, "fairseq", "the global norm covers every shard: both ranks stop at update 3 with "
                                      "`FloatingPointError: gradients are Nan/Inf` (fp16 would skip and lower the scale; "

@@ -190,6 +190,20 @@ def make_lm_corpus(
 
 # --------------------------------------------------------------------------- launching
 
+#: torchrun settings (as ``PET_*`` environment variables, so they reach any torchrun, also one a
+#: script starts) under which each worker's lines carry its rank, ``[default<rank>]:``, and the
+#: agent looks for failed workers once a second: a rank's own error is printed before the agent
+#: stops the other workers.
+PER_RANK_OUTPUT = {"PET_TEE": "3", "PET_MONITOR_INTERVAL": "1"}
+
+
+def rank_lines(output: str, rank: int) -> List[str]:
+    """The lines worker ``rank`` itself printed (output of a torchrun run with
+    :data:`PER_RANK_OUTPUT`), without their prefix."""
+    prefix = f"[default{rank}]:"
+    return [ln[len(prefix):] for ln in output.splitlines() if ln.startswith(prefix)]
+
+
 
 @dataclass
 class FairseqRun:

@@ -51,12 +51,18 @@ def compare_with_replicated(rank, world, vocab, dim, cases):
             dist.all_reduce(g)
         g /= world
         start, end = emb.shard_range
+        # the padding row of the *sharded* table, on the rank that owns it
+        pad_local = padding_idx - start if padding_idx is not None and start <= padding_idx < end else None
         out[case] = {
             "shape_ok": tuple(y.shape) == (*ids.shape, dim),
             "init_diff": init_diff,
             "fwd_diff": (y - y_ref).abs().max().item() if y.numel() else 0.0,
             "grad_diff": (emb.weight.grad - g[start:end]).abs().max().item() if end > start else 0.0,
-            "pad_grad": float(g[padding_idx].abs().sum()) if padding_idx is not None else 0.0,
+            "pad_owner": pad_local is not None,
+            "pad_grad": float(emb.weight.grad[pad_local].abs().sum()) if pad_local is not None else 0.0,
+            "pad_row": float(emb.weight.detach()[pad_local].abs().sum()) if pad_local is not None else 0.0,
+            # what the padding row would get without the zeroing (nonzero: the check can fail)
+            "pad_would_get": float((coef * (ids == padding_idx).unsqueeze(-1)).abs().sum()) if padding_idx is not None else 0.0,
             "full_diff": (emb.full_weight() - ref.weight.detach()).abs().max().item(),
         }
     return out
@@ -130,21 +136,60 @@ def bad_id(rank, world, bad_rank, bad_value):
     return ("ok", "")
 
 
-def checkpoint_roundtrip(rank, world):
-    torch.manual_seed(5)
-    emb = ShardedEmbedding(9, 2)
-    emb.weight.data += rank  # make shards distinguishable
-    try:
-        emb.state_dict()
-        refused = False
-    except RuntimeError:
-        refused = True
-    emb.consolidate()
-    sd = emb.state_dict()
-    other = ShardedEmbedding(9, 2)
-    other.load_state_dict(sd)
-    return {
-        "refused_unconsolidated": refused,
-        "full_rows": sd["weight"].shape[0],
-        "same": bool(torch.equal(other.weight, emb.weight)),
-    }
+def checkpoint_reshard(rank, world):
+    """A table saved on 2 ranks loads on 3 and on 1; one saved on 3 loads on 2 and on 1
+    (3 spawned ranks: the 2- and 1-rank tables live on the groups {0, 1} and {0})."""
+    pair, solo = dist.new_group([0, 1]), dist.new_group([0])  # collectives: every rank takes part
+    out = {}
+
+    def full_on_all(sd_weight, src_has_it):
+        full = sd_weight.clone() if src_has_it else torch.empty(9, 2)
+        dist.broadcast(full, 0)
+        return full
+
+    # saved on 2 ranks
+    saved2 = None
+    if rank < 2:
+        torch.manual_seed(5)
+        a = ShardedEmbedding(9, 2, process_group=pair)
+        with torch.no_grad():
+            a.weight += 10 * (rank + 1)  # shards distinguishable from any fresh init
+        try:
+            a.state_dict()
+            out["refused_unconsolidated"] = False
+        except RuntimeError:
+            out["refused_unconsolidated"] = True
+        a.consolidate()
+        saved2 = a.state_dict()["weight"]
+        out["saved_rows"] = saved2.shape[0]
+        out["range2"] = a.shard_range
+    full2 = full_on_all(saved2 if rank == 0 else None, rank == 0)
+    torch.manual_seed(6)
+    b = ShardedEmbedding(9, 2)  # 3 ranks
+    b.load_state_dict({"weight": full2})
+    out["range3"] = b.shard_range
+    out["3_from_2_shard"] = bool(torch.equal(b.weight.detach(), full2[slice(*b.shard_range)]))
+    out["3_from_2_full"] = bool(torch.equal(b.full_weight(), full2))
+    if rank == 0:
+        torch.manual_seed(7)
+        c = ShardedEmbedding(9, 2, process_group=solo)
+        c.load_state_dict({"weight": full2})
+        out["1_from_2"] = bool(torch.equal(c.weight.detach(), full2)) and not c.is_sharded
+    # saved on 3 ranks
+    with torch.no_grad():
+        b.weight -= 100 * (rank + 1)
+    b.consolidate()
+    full3 = b.state_dict()["weight"]
+    out["3_saved_moved"] = not bool(torch.equal(full3, full2))
+    if rank < 2:
+        torch.manual_seed(8)
+        d = ShardedEmbedding(9, 2, process_group=pair)
+        d.load_state_dict({"weight": full3})
+        out["2_from_3_shard"] = bool(torch.equal(d.weight.detach(), full3[slice(*d.shard_range)]))
+        out["2_from_3_full"] = bool(torch.equal(d.full_weight(), full3))
+    if rank == 0:
+        torch.manual_seed(9)
+        e = ShardedEmbedding(9, 2, process_group=solo)
+        e.load_state_dict({"weight": full3})
+        out["1_from_3"] = bool(torch.equal(e.weight.detach(), full3))
+    return out

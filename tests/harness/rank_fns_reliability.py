@@ -48,8 +48,12 @@ def _average_dense_grads(model: nn.Module, world: int) -> None:
             p.grad /= world
 
 
-def train_steps(rank, world, *, steps, sizes, sharded=True, slow_rank=None, slow_factor=5.0, inf_at=None):
+def train_steps(rank, world, *, steps, sizes, sharded=True, slow_rank=None, slow_s=0.0, inf_at=None):
     """SGD training; ``sizes(step, rank)`` gives each rank's batch size (0 = empty).
+
+    ``slow_rank`` is slow *inside* every step: it sleeps ``slow_s / 2`` before its forward
+    exchange and ``slow_s / 2`` before its backward (gradient) exchange, so the other
+    ranks wait for it in those collectives; ``step_times`` shows it.
 
     The replicated reference (``sharded=False``) averages the table's gradient with an
     all-reduce, as DDP does. ``inf_at=(step, rank)`` puts inf into that rank's shard
@@ -63,7 +67,11 @@ def train_steps(rank, world, *, steps, sizes, sharded=True, slow_rank=None, slow
         t0 = time.perf_counter()
         ids, tgt = batch(step, rank, sizes(step, rank))
         opt.zero_grad()
+        if rank == slow_rank:
+            time.sleep(slow_s / 2)  # late for the forward exchange
         loss = model.loss(ids, tgt)
+        if rank == slow_rank:
+            time.sleep(slow_s / 2)  # late for the gradient exchange
         loss.backward()
         if inf_at is not None and step == inf_at[0] and rank == inf_at[1]:
             model.emb.weight.grad[0, 0] = float("inf")
@@ -84,8 +92,6 @@ def train_steps(rank, world, *, steps, sizes, sharded=True, slow_rank=None, slow
         dist.all_reduce(summed)
         losses.append(float(summed))
         step_s.append(time.perf_counter() - t0)
-        if rank == slow_rank:
-            time.sleep((slow_factor - 1.0) * step_s[-1])
     check_replicas_agree(model)  # raises on every rank if the dense weights drifted apart
     return {
         "losses": losses,
@@ -93,6 +99,7 @@ def train_steps(rank, world, *, steps, sizes, sharded=True, slow_rank=None, slow
         "table": model.full_table().numpy().copy(),
         "digest": dense_digest(model),
         "step_s": sum(step_s),
+        "step_times": step_s,
     }
 
 

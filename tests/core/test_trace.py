@@ -1,0 +1,102 @@
+"""trace: the Tracer's summary for a known pattern of compute and collective intervals
+(hidden share, dense collectives started in backward), the Chrome-trace JSON, and the
+tracing ledger."""
+import json
+
+import pytest
+
+from embrace_fairseq.core.ledger import CommLedger
+from embrace_fairseq.core.trace import COMM_TID, COMPUTE_TID, EXCHANGE_TID, TABLE_TID, Tracer, TracingLedger
+
+
+def known_pattern(tracer):
+    """Times in microseconds from the tracer's start.
+
+    compute:  forward [0, 100), backward [100, 300), step [400, 450)
+    dense all-reduces (COMM_TID): [150, 250) inside backward -> 100 hidden
+                                  [280, 380) -> 20 hidden (backward ends at 300)
+    table lane (TABLE_TID):       [200, 260) -> overlaps the first all-reduce, extends it by 10
+    embedding exchange (EXCHANGE_TID), on the compute thread: [50, 80) -> exposed
+    union of communication: [50, 80) + [150, 260) + [280, 380) = 30 + 110 + 100 = 240
+    hidden (off the compute thread, inside compute): 110 + 20 = 130
+    """
+    t0 = tracer._t0
+    tracer.compute("forward", t0 + 0, t0 + 100)
+    tracer.compute("backward", t0 + 100, t0 + 300)
+    tracer.compute("step", t0 + 400, t0 + 450)
+    tracer.collective("dense_grad", 1000, t0 + 150, t0 + 250)
+    tracer.collective("dense_grad", 3000, t0 + 280, t0 + 380)
+    tracer.collective("table_grad", 500, t0 + 200, t0 + 260, tid=TABLE_TID)
+    tracer.collective("rows", 64, t0 + 50, t0 + 80, tid=EXCHANGE_TID)
+
+
+def test_summary_of_a_known_pattern():
+    tr = Tracer(rank=3)
+    known_pattern(tr)
+    s = tr.summary()
+    assert s["comm_seconds"] == pytest.approx(240e-6)
+    assert s["hidden_seconds"] == pytest.approx(130e-6)
+    assert s["hidden_share"] == pytest.approx(130 / 240)
+    assert s["bytes_by_kind"] == {"dense_grad": 4000, "table_grad": 500, "rows": 64}
+    assert s["calls_by_kind"] == {"dense_grad": 2, "table_grad": 1, "rows": 1}
+    assert s["seconds_by_kind"]["dense_grad"] == pytest.approx(200e-6)
+    assert s["dense_collectives"] == 2 and s["dense_started_in_backward"] == 2
+
+
+def test_exchange_on_the_compute_thread_is_never_hidden():
+    tr = Tracer()
+    t0 = tr._t0
+    tr.compute("forward", t0, t0 + 100)
+    tr.collective("ids", 8, t0 + 10, t0 + 60, tid=EXCHANGE_TID)  # inside forward, yet exposed
+    tr.collective("dense_grad", 8, t0 + 500, t0 + 600)  # after all compute
+    s = tr.summary()
+    assert s["hidden_share"] == 0.0 and s["comm_seconds"] == pytest.approx(150e-6)
+    assert s["dense_started_in_backward"] == 0
+    assert Tracer().summary()["hidden_share"] == 0.0  # nothing recorded: no division by zero
+
+
+def test_chrome_trace_json(tmp_path):
+    tr = Tracer(rank=2)
+    known_pattern(tr)
+    with tr.phase("extra", note="x"):
+        pass
+    path = tr.save(str(tmp_path / "sub" / "run"))
+    assert path == str(tmp_path / "sub" / "run.rank2.json")
+    doc = json.loads(open(path).read())
+    assert set(doc) == {"traceEvents", "displayTimeUnit", "otherData"}
+    meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["name"] for e in meta} == {"rank 2", "compute", "dense all-reduce", "embedding exchange"}
+    assert len(events) == 8
+    for e in events:
+        assert set(e) == {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} and e["pid"] == 2
+        assert e["cat"] in ("compute", "comm") and e["dur"] >= 0
+    fwd = next(e for e in events if e["name"] == "forward")
+    assert (fwd["ts"], fwd["dur"], fwd["tid"]) == (0, 100, COMPUTE_TID)
+    ar = [e for e in events if e["name"] == "dense_grad"]
+    assert [(e["ts"], e["dur"], e["tid"], e["args"]["bytes"]) for e in ar] == [(150, 100, COMM_TID, 1000),
+                                                                               (280, 100, COMM_TID, 3000)]
+    assert next(e for e in events if e["name"] == "extra")["args"] == {"note": "x"}
+    assert doc["otherData"]["dense_collectives"] == 2
+
+
+def test_disabled_tracer_records_nothing():
+    tr = Tracer(enabled=False)
+    known_pattern(tr)
+    with tr.phase("forward"):
+        pass
+    assert tr.events() == []
+
+
+def test_tracing_ledger_turns_records_into_exchange_events():
+    tr, inner = Tracer(), CommLedger()
+    led = TracingLedger(tr, inner)
+    led.mark()
+    led.record("ids", 12, 8)
+    led.record("rows", 48, 32)
+    assert inner.sent == {"ids": 12, "rows": 48} and led.sent == {"ids": 12, "rows": 48}
+    evs = tr.events("comm")
+    assert [(e["name"], e["tid"], e["args"]["bytes"], e["args"]["received"]) for e in evs] == [
+        ("ids", EXCHANGE_TID, 12, 8), ("rows", EXCHANGE_TID, 48, 32)]
+    # the second exchange starts where the first ended
+    assert evs[1]["ts"] == pytest.approx(evs[0]["ts"] + evs[0]["dur"])

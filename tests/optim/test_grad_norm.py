@@ -1,0 +1,48 @@
+"""grad_norm: the global norm from a replicated part and sharded parts, and the
+non-finite report (one process: the collective parts are covered by tests/guards)."""
+import math
+
+import pytest
+import torch
+
+from embrace_fairseq.optim.grad_norm import (
+    NonFiniteGradientError,
+    combine_norms,
+    nonfinite_gradients,
+    raise_if_nonfinite,
+    sharded_sq_norm,
+)
+
+
+def test_combined_norm_equals_the_norm_of_everything():
+    torch.manual_seed(0)
+    dense = [torch.randn(4, 3), torch.randn(7)]
+    table = torch.randn(10, 3)
+    shards = [table[:4], table[4:7], table[7:]]  # three ranks' shards, summed as the all-reduce would
+    sq = sum(sharded_sq_norm([s]) for s in shards)
+    dense_norm = torch.linalg.vector_norm(torch.cat([d.reshape(-1) for d in dense]))
+    total = combine_norms(dense_norm, sq)
+    want = torch.linalg.vector_norm(torch.cat([d.reshape(-1) for d in dense] + [table.reshape(-1)]))
+    assert total.dtype == torch.float32 and torch.allclose(total, want, rtol=1e-6)
+
+
+def test_empty_shard_list_and_dtypes():
+    assert float(sharded_sq_norm([])) == 0.0
+    g = torch.tensor([3.0, 4.0], dtype=torch.float16)
+    assert float(sharded_sq_norm([g])) == 25.0 and sharded_sq_norm([g]).dtype == torch.float32
+    assert float(combine_norms(torch.tensor(0.0, dtype=torch.float64), torch.tensor(25.0))) == 5.0
+
+
+def test_non_finite_propagates():
+    assert math.isinf(float(combine_norms(torch.tensor(1.0), sharded_sq_norm([torch.tensor([float("inf")])]))))
+    assert math.isnan(float(combine_norms(torch.tensor(float("nan")), torch.tensor(1.0))))
+
+
+def test_nonfinite_report_names_parameters():
+    named = [("fc.weight", torch.ones(2)), ("emb.weight", torch.tensor([1.0, float("nan")])), ("b", None)]
+    bad = nonfinite_gradients(named)
+    assert bad == [("emb.weight", 0)]
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite \(inf/NaN\) gradient: emb.weight on rank 0"):
+        raise_if_nonfinite(bad)
+    raise_if_nonfinite([])
+    assert nonfinite_gradients([]) == []
