@@ -79,6 +79,7 @@ def masters_after_weights_only_load(rank, world):
     after = model.state_dict()
     diff = max(float((after[k].float() - initial[k].float()).abs().max()) for k in initial)
     release_consolidated(model)
+    del initial, after
     # the save's gather: only rank 0 gets the full state, nobody keeps the tables after
     full = ck.gather_full_state(types.SimpleNamespace(embrace=engine.embrace, optimizer=engine.optimizer), model)
     del full
