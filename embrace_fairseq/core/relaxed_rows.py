@@ -220,8 +220,10 @@ class RelaxedRows:
                 self._nonfinite = bad
                 return
             opt.apply(rest, grads=full)
-            for ti, t0 in starts.items():  # completion times from the work (CUDA events on GPUs)
-                self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, ends[ti], tid=DEFERRED_TID, table=ti)
+            end = self.tracer.now()  # the deferred rows are finished: exchanged (``ends``) and updated
+            for ti, t0 in starts.items():
+                self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, max(end, ends[ti]), tid=DEFERRED_TID,
+                                       table=ti)
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
 

@@ -46,11 +46,14 @@ class ExchangeGate:
     the shard gradient is accumulated), no new dense piece is issued, so the exchange
     the next forward needs first does not queue behind them. Pieces already issued
     complete; the per-group issue order is unchanged. The gate's lock guards only its
-    counter: it is never held across a collective."""
+    counters and is never held across a collective: a piece being issued holds an
+    *issue slot* (a counter), and an exchange that starts meanwhile waits on the
+    condition until the (asynchronous) issue returned."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy = 0
+        self._issuing = 0
         self._listeners: List[Callable[[], None]] = []
 
     @property
@@ -64,6 +67,8 @@ class ExchangeGate:
 
     def enter(self) -> None:
         with self._cond:
+            while self._issuing:
+                self._cond.wait()
             self._busy += 1
 
     def leave(self) -> None:
@@ -93,10 +98,19 @@ class ExchangeGate:
 
     @contextlib.contextmanager
     def idle(self):
-        """Wait until no exchange is in flight, then run the body (without the lock:
-        an exchange may start meanwhile; the gate orders issue, not completion)."""
-        self.wait_idle()
-        yield
+        """Wait until no exchange is in flight, then run the body (the issue of a piece)
+        in an issue slot: the lock is released, an exchange starting meanwhile waits for
+        the body to return."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            self._issuing += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._issuing -= 1
+                self._cond.notify_all()
 
 
 class ScheduledAllReduce:
@@ -237,11 +251,17 @@ class ScheduledAllReduce:
 
     def _issue(self, piece) -> None:
         """Issue one piece (its bucket is complete), after a credit is free."""
+        self._make_room(piece)
+        self._launch(piece)
+
+    def _make_room(self, piece) -> None:
         if piece.bucket not in self._flattened:
             self._flatten(piece.bucket)
             self._flattened.add(piece.bucket)
         while len(self._inflight) >= self.schedule.options.max_in_flight:
             self._complete(self._inflight.pop(0))
+
+    def _launch(self, piece) -> None:
         view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
         self._inflight.append((collectives.all_reduce_async(view, self.group), piece))
 
@@ -266,9 +286,9 @@ class ScheduledAllReduce:
         try:
             for piece in self.schedule.issue_order:
                 self._events[piece.bucket].wait()
-                if self.gate is not None:
-                    self.gate.wait_idle()  # the gate's lock is released before the collective
-                self._issue(piece)
+                self._make_room(piece)  # credit waits happen outside the issue slot
+                with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
+                    self._launch(piece)  # the gate's lock is not held here
             while self._inflight:
                 self._complete(self._inflight.pop(0))
         except BaseException as exc:  # surfaced by finish() on the training thread
