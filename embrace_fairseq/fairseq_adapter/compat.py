@@ -318,7 +318,7 @@ def _wrap_broadcast_object_slow(orig: Callable) -> Callable:
         safe = getattr(torch.serialization, "safe_globals", None)
         if safe is None:  # torch < 2.5: no weights_only default, nothing to allow
             return orig(*args, **kwargs)
-        with safe(rank_broadcast_globals()):
+        with safe(rank_broadcast_globals() + fairseq_checkpoint_globals()):  # the checkpoint's own too
             return orig(*args, **kwargs)
 
     return _mark(_broadcast_object_slow)
