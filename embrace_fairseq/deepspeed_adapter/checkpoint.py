@@ -55,16 +55,18 @@ def _blob(obj: Any) -> bytes:
 
 def checkpoint_globals() -> List[Any]:
     """The classes a launcher checkpoint (and its ``torch.save`` bytes) may hold besides
-    tensors and containers: numpy RNG states, DeepSpeed's loss scalers and ZeRO's
-    parameter slice mappings, fairseq's ``argparse.Namespace`` arguments."""
+    tensors and containers: numpy RNG states, DeepSpeed's loss scalers, ZeRO's stage and
+    parameter slice mappings, fairseq's ``argparse.Namespace`` arguments (found by listing
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` of real ZeRO-0/1 checkpoints)."""
     import argparse
 
     out: List[Any] = [argparse.Namespace] + safe_load.numpy_globals()
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.utils.tensor_fragment import fragment_address
 
-        out += [LossScaler, DynamicLossScaler, fragment_address]
+        out += [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
     except ImportError:  # pragma: no cover - the launcher needs DeepSpeed anyway
         pass
     return out

@@ -35,14 +35,16 @@ def test_launcher_load_refuses_a_malicious_checkpoint(tmp_path):
 
 def test_resume_state_loads_weights_only():
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
     state = {"rng": ck._rng_state(), "scaler": DynamicLossScaler(init_scale=2.0**8, scale_window=10, min_scale=1.0, delayed_shift=1,
                                                                   consecutive_hysteresis=False),
-             "static": LossScaler(4.0), "mappings": [{"emb.weight": fragment_address(numel=4, start=0)}]}
+             "static": LossScaler(4.0), "mappings": [{"emb.weight": fragment_address(numel=4, start=0)}],
+             "zero_stage": ZeroStageEnum.optimizer_states}
     back = ck._unblob(ck._blob(state))
     assert back["scaler"].cur_scale == 2.0**8 and back["static"].cur_scale == 4.0
-    assert back["mappings"][0]["emb.weight"].numel == 4
+    assert back["mappings"][0]["emb.weight"].numel == 4 and back["zero_stage"] == ZeroStageEnum.optimizer_states
     ck._set_rng_state(back["rng"])
 
 
