@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core.shard_plan import ShardPlan
 
 
@@ -32,10 +33,9 @@ def digest60(text: str) -> int:
 
 
 def gather_values(values: Sequence[int], group: Optional["dist.ProcessGroup"] = None) -> List[Tuple[int, ...]]:
-    """Every rank's ``values`` (collective)."""
+    """Every rank's ``values`` (collective; on the device the group needs)."""
     mine = torch.tensor(list(values), dtype=torch.long)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = collectives.all_gather(mine, group)
     return [tuple(int(x) for x in t.tolist()) for t in gathered]
 
 

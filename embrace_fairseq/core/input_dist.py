@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core import native_ops
 from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message
@@ -80,7 +81,7 @@ def plan_exchange(
         header[:, 1] = 1
         header[:, 2] = bad
     recv_header = torch.empty_like(header)
-    dist.all_to_all_single(recv_header, header, group=group)
+    collectives.all_to_all_single(recv_header, header, group=group)
     header_bytes = (world - 1) * _HEADER_FIELDS * header.element_size()
     record_all(ledgers, K.COUNTS, header_bytes, header_bytes)
 
@@ -96,7 +97,7 @@ def plan_exchange(
     wire = torch.int32 if plan.num_embeddings <= _INT32_LIMIT else torch.long
     send_ids = unique_ids.to(wire)
     recv_ids = torch.empty(sum(recv_counts), dtype=wire, device=device)
-    dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group=group)
+    collectives.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group)
     esize = send_ids.element_size()
     record_all(ledgers, K.IDS, off_rank(send_counts, rank) * esize, off_rank(recv_counts, rank) * esize)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core import native_ops
 from embrace_fairseq.core.input_dist import ExchangePlan
@@ -23,7 +23,7 @@ def fetch_rows(shard: torch.Tensor, xp: ExchangePlan) -> torch.Tensor:
     dim = shard.shape[1]
     out_rows = native_ops.gather_rows(shard, xp.requested_local)
     rows = shard.new_empty(len(xp.unique_ids), dim)
-    dist.all_to_all_single(rows, out_rows, xp.send_counts, xp.recv_counts, group=xp.group)
+    collectives.all_to_all_single(rows, out_rows, xp.send_counts, xp.recv_counts, xp.group)
     row_bytes = dim * shard.element_size()
     record_all(
         xp.ledgers,
@@ -49,7 +49,7 @@ def push_grad_rows(
     dim = grad_unique.shape[1]
     grad_unique = grad_unique.contiguous()
     recv = grad_unique.new_empty(len(xp.requested_local), dim)
-    dist.all_to_all_single(recv, grad_unique, xp.recv_counts, xp.send_counts, group=xp.group)
+    collectives.all_to_all_single(recv, grad_unique, xp.recv_counts, xp.send_counts, xp.group)
     row_bytes = dim * grad_unique.element_size()
     record_all(
         xp.ledgers,

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.output_dist import push_grad_rows as sync_push
 from embrace_fairseq.core.trace import Tracer
@@ -90,26 +91,22 @@ class RelaxedRows:
     @torch.no_grad()
     def next_batch(self, ids_per_table: Sequence[Sequence[torch.Tensor]]) -> None:
         """Set ``G`` for the coming backward: the union over ranks of the ids each table
-        will look up in the next batch. Collective (an all-gather of unique ids)."""
-        world = dist.get_world_size(self.group)
+        will look up in the next batch. Collective (an all-gather of unique ids, on the
+        device the table's group needs). ``G`` is kept on the table's device."""
         for ti, (table, ids_list) in enumerate(zip(self.tables, ids_per_table)):
-            flat = [i.reshape(-1).long() for i in ids_list if i is not None and i.numel()]
-            mine = torch.unique(torch.cat(flat)) if flat else torch.zeros(0, dtype=torch.long)
+            device = table.weight.device
+            flat = [i.reshape(-1).to(device=device, dtype=torch.long) for i in ids_list if i is not None and i.numel()]
+            mine = torch.unique(torch.cat(flat)) if flat else torch.zeros(0, dtype=torch.long, device=device)
             mine = mine[(mine >= 0) & (mine < table.num_embeddings)]
-            n = torch.tensor([mine.numel()], dtype=torch.long)
-            sizes = [torch.zeros_like(n) for _ in range(world)]
-            dist.all_gather(sizes, n, group=table.group)
-            longest = int(max(s.item() for s in sizes))
-            padded = torch.full((longest,), -1, dtype=torch.long)
+            sizes = collectives.all_gather(torch.tensor([mine.numel()], dtype=torch.long, device=device), table.group)
+            longest = int(max(int(s.item()) for s in sizes))
+            padded = torch.full((longest,), -1, dtype=torch.long, device=device)
             padded[: mine.numel()] = mine
-            parts = [torch.empty_like(padded) for _ in range(world)]
-            dist.all_gather(parts, padded, group=table.group)
-            union = torch.unique(torch.cat(parts))
+            union = torch.unique(torch.cat(collectives.all_gather(padded, table.group)))
             self._next[ti] = union[union >= 0]
-            nbytes = (world - 1) * longest * 8
-            table_ledgers = [table.ledger] if table.ledger is not None else []
-            for ledger in table_ledgers:
-                ledger.record(K.IDS, nbytes, nbytes)
+            nbytes = (len(sizes) - 1) * longest * 8
+            if table.ledger is not None:
+                table.ledger.record(K.IDS, nbytes, nbytes)
 
     # ------------------------------------------------------------------ backward split
     def push_grad_rows(self, table: Any, grad_unique: torch.Tensor, xp: Any, shard_rows: int, scale: float,
@@ -119,8 +116,8 @@ class RelaxedRows:
         ti = self._index[id(table)]
         g = self._next[ti]
         self._split_with[ti] = g
-        if g is None:
-            g = torch.zeros(0, dtype=torch.long)
+        device = xp.unique_ids.device
+        g = torch.zeros(0, dtype=torch.long, device=device) if g is None else g.to(device)
         start, _ = xp.plan.shard_range(xp.rank)
         send_mask = torch.isin(xp.unique_ids, g)
         recv_mask = torch.isin(xp.requested_local + start, g)
@@ -135,7 +132,7 @@ class RelaxedRows:
         send_counts = _counts_by_segment(~send_mask, xp.send_counts)
         recv = grad_unique.new_empty(sum(recv_counts), dim)
         t0 = self.tracer.now()
-        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=True)
+        work = collectives.all_to_all_single_async(recv, send, recv_counts, send_counts, self.group)
         rows = xp.requested_local[~recv_mask]
         row_bytes = dim * grad_unique.element_size()
         sent = sum(c for r, c in enumerate(send_counts) if r != xp.rank) * row_bytes
@@ -153,7 +150,7 @@ class RelaxedRows:
         ti = self._index[id(table)]
         start = table.shard_range[0]
         done = self._updated[ti]
-        if done is None or not bool(torch.isin(requested_local + start, done).all()):
+        if done is None or not bool(torch.isin(requested_local + start, done.to(requested_local.device)).all()):
             self.wait()
 
     def before_full_read(self, table: Any = None) -> None:
@@ -166,12 +163,12 @@ class RelaxedRows:
         out = []
         for ti, t in enumerate(self.tables):
             g = self._split_with[ti]
-            n = t.weight.shape[0]
+            n, device = t.weight.shape[0], t.weight.device
             start = t.shard_range[0]
             if g is None and not any(p[0] == ti for p in self._pending):
-                out.append(torch.arange(n))
+                out.append(torch.arange(n, device=device))
             else:
-                g = g if g is not None else torch.zeros(0, dtype=torch.long)
+                g = g.to(device) if g is not None else torch.zeros(0, dtype=torch.long, device=device)
                 local = g[(g >= start) & (g < start + n)] - start
                 out.append(local)
         return out
@@ -186,7 +183,7 @@ class RelaxedRows:
         grads = [p.grad for p in opt.params]  # kept: the framework may drop .grad after its step
         rest = []
         for ti, t in enumerate(self.tables):
-            mask = torch.ones(t.weight.shape[0], dtype=torch.bool)
+            mask = torch.ones(t.weight.shape[0], dtype=torch.bool, device=t.weight.device)
             mask[prio[ti]] = False
             rest.append(mask.nonzero().flatten())
         pending, self._pending = self._pending, []
@@ -201,13 +198,17 @@ class RelaxedRows:
     def _finish(self, opt: RowStepper, grads: List[Optional[torch.Tensor]], rest: List[torch.Tensor],
                 pending: List[tuple]) -> None:
         try:
-            deferred = [torch.zeros_like(p) for p in opt.params]
+            # deferred gradient rows summed in fp32 (as stock embeddings sum half-precision rows)
+            deferred = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in opt.params]
             starts: Dict[int, float] = {}
             sent_by: Dict[int, int] = {}
+            ends: Dict[int, float] = {}
             for ti, work, recv, rows, scale, padding, t0, sent in pending:
-                work.wait()
+                work.wait()  # no collective issued here: only the wait for one issued in backward
+                ends[ti] = max(ends.get(ti, 0.0), work.end_us())
                 d = deferred[ti]
-                d.index_add_(0, rows, recv * scale if scale != 1.0 else recv)
+                add = recv.float() * scale if scale != 1.0 else recv.float()
+                d.index_add_(0, rows.to(d.device), add.to(d.device))
                 if padding is not None:
                     d[padding].zero_()
                 starts[ti] = min(starts.get(ti, t0), t0)
@@ -219,9 +220,10 @@ class RelaxedRows:
                 self._nonfinite = bad
                 return
             opt.apply(rest, grads=full)
-            end = self.tracer.now()
+            end = self.tracer.now()  # the deferred rows are finished: exchanged (``ends``) and updated
             for ti, t0 in starts.items():
-                self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, end, tid=DEFERRED_TID, table=ti)
+                self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, max(end, ends[ti]), tid=DEFERRED_TID,
+                                       table=ti)
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
 

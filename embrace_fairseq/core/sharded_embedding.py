@@ -7,6 +7,7 @@ gradient: exactly what DDP would leave in a replicated table's ``.grad``.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import weakref
@@ -15,20 +16,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from embrace_fairseq.core import native_ops
+from embrace_fairseq.core import collectives, native_ops
 from embrace_fairseq.core.ledger import CommLedger
-import torch.distributed as dist
 
 from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message, validate_ids
 from embrace_fairseq.core.input_dist import plan_exchange
 from embrace_fairseq.core.ledger import ledgers_for
 from embrace_fairseq.core.output_dist import ShardedLookup
 from embrace_fairseq.core.table_dist import (
-    GatherTable,
     PendingGather,
     PendingTableGrads,
     PrefetchedTable,
     gather_full,
+    gather_table,
 )
 from embrace_fairseq.core.agreement import check_same_plan
 from embrace_fairseq.core.process_group import ProcessGroup, resolve_group
@@ -36,6 +36,17 @@ from embrace_fairseq.core.shard_plan import ShardPlan
 
 #: Attribute set on every sharded parameter so adapters can find (and skip) them.
 SHARDED_ATTR = "embrace_sharded"
+
+#: Environment variable: ``1`` runs the exchange (AlltoAll lookups, collectives on the
+#: group's device) even on a world of one rank, where a table is otherwise a plain
+#: embedding. For checking the device paths on a single GPU (``scripts/gpu_check.sh``).
+FORCE_EXCHANGE_ENV = "EMBRACE_FORCE_EXCHANGE"
+
+
+def _force_exchange(value: Optional[bool]) -> bool:
+    if value is not None:
+        return bool(value)
+    return os.environ.get(FORCE_EXCHANGE_ENV, "0") not in ("", "0")
 
 
 def fairseq_initial_table(
@@ -72,6 +83,8 @@ class ShardedEmbedding(nn.Module):
         ledger: an extra :class:`CommLedger` to record bytes into (the global one always is).
         overlap_table: overlap the full-table exchange of a tied output projection with
             compute (see :meth:`set_table_overlap`). Collective when true and sharded.
+        force_exchange: run the exchange even on one rank (needs torch.distributed
+            initialised); ``None`` reads ``EMBRACE_FORCE_EXCHANGE``.
     """
 
     relaxed = None  # RelaxedRows or None
@@ -88,6 +101,7 @@ class ShardedEmbedding(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
         overlap_table: bool = False,
+        force_exchange: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if padding_idx is not None:
@@ -100,7 +114,8 @@ class ShardedEmbedding(nn.Module):
         self.padding_idx = padding_idx
         self.group, self.rank, self.world_size = resolve_group(process_group)
         self.plan = ShardPlan(num_embeddings, self.world_size)
-        if self.world_size > 1:
+        self.force_exchange = _force_exchange(force_exchange) and self.group is not None
+        if self.is_sharded:
             # collective, once per table: a rank with another vocabulary or size stops here
             check_same_plan(self.plan, embedding_dim, padding_idx, self.group)
         self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
@@ -128,7 +143,8 @@ class ShardedEmbedding(nn.Module):
 
     @property
     def is_sharded(self) -> bool:
-        return self.world_size > 1
+        """Whether lookups go through the exchange (more than one rank, or forced)."""
+        return self.world_size > 1 or self.force_exchange
 
     @property
     def _padding_local(self) -> Optional[int]:
@@ -200,7 +216,7 @@ class ShardedEmbedding(nn.Module):
         if not self._overlapping():
             if self.relaxed is not None:
                 self.relaxed.before_full_read(self)
-            return GatherTable.apply(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
+            return gather_table(self.weight, self.plan, self.group, self.rank, self.grad_scale, self.ledger)
         self._read_full_table = True
         self.prefetch_table()
         assert self._pending_gather is not None and self._table_grads is not None
@@ -223,7 +239,8 @@ class ShardedEmbedding(nn.Module):
         call it on every rank in the same order. Tables over a subgroup, and tables under
         the relaxed dependency, keep the synchronous exchange.
         """
-        enabled = bool(enabled) and self.is_sharded and (dist.get_world_size(), dist.get_rank()) == (self.world_size, self.rank)
+        enabled = bool(enabled) and self.is_sharded and (
+            collectives.world_size(), collectives.rank()) == (self.world_size, self.rank)
         if not enabled:
             if self.overlap_table:
                 self.finish_pending()
@@ -231,8 +248,8 @@ class ShardedEmbedding(nn.Module):
             return
         if self._gather_group is None:
             ranks = list(range(self.world_size))
-            self._gather_group = dist.new_group(ranks=ranks)
-            grad_group = dist.new_group(ranks=ranks)
+            self._gather_group = collectives.new_group(ranks)  # created and warmed up now
+            grad_group = collectives.new_group(ranks)
             self._table_grads = PendingTableGrads(self.plan, grad_group, self.rank, self.grad_scale, ledgers_for(self.ledger))
         self.overlap_table = True
 
@@ -310,6 +327,10 @@ class ShardedEmbedding(nn.Module):
         self._consolidated = (self.weight._version, full)
         return full
 
+    def release_consolidated(self) -> None:
+        """Forget the full table :meth:`consolidate` kept (no communication)."""
+        self._consolidated = None
+
     def _save_to_state_dict(self, destination: Dict, prefix: str, keep_vars: bool) -> None:
         if not self.is_sharded:
             return super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -351,6 +372,13 @@ def consolidate(module: nn.Module) -> None:
     """Gather every sharded table of ``module`` for the next ``state_dict``. Collective."""
     for emb in sharded_embeddings(module):
         emb.consolidate()
+
+
+def release_consolidated(module: nn.Module) -> None:
+    """Drop the full tables :func:`consolidate` kept (after the save that needed them):
+    no rank holds a full table between saves."""
+    for emb in sharded_embeddings(module):
+        emb.release_consolidated()
 
 
 def finish_pending(tables) -> None:

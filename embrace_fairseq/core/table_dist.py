@@ -8,27 +8,35 @@ own process group, and waits only where the table or the shard gradient is read.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional
 
 import torch
-import torch.distributed as dist
-
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, ledgers_for, record_all
 from embrace_fairseq.core.shard_plan import ShardPlan
 from embrace_fairseq.core.trace import record_async
 
 
-def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
-    # gloo's all_gather needs equal sizes on every rank: pad shards to the largest.
-    world, rows = plan.world_size, plan.max_shard_size
-    padded = shard.new_zeros(rows, *shard.shape[1:])
-    padded[: shard.shape[0]] = shard
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
-    nbytes = padded.numel() * padded.element_size()
+def _record_gather(plan: ShardPlan, shard: torch.Tensor, ledgers) -> None:
+    world = plan.world_size
+    nbytes = plan.max_shard_size * math.prod(shard.shape[1:]) * shard.element_size()
     record_all(ledgers, K.TABLE_GATHER, (world - 1) * nbytes, (world - 1) * nbytes)
-    return torch.cat([p[:n] for p, n in zip(parts, plan.sizes)], dim=0)
+
+
+def _record_grad(plan: ShardPlan, full_grad: torch.Tensor, rank: int, ledgers) -> None:
+    mine = plan.shard_size(rank)
+    row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
+    record_all(ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes,
+               (plan.world_size - 1) * mine * row_bytes)
+
+
+def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
+    # gloo's all_gather needs equal sizes on every rank: padded to the largest shard
+    full = collectives.all_gather_rows(shard, plan.sizes, group)
+    _record_gather(plan, shard, ledgers)
+    return full
 
 
 def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None) -> torch.Tensor:
@@ -38,40 +46,22 @@ def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: 
 
 
 def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:
-    """Sum a full-table gradient over ranks and keep this rank's rows (AlltoAll-based).
-
-    gloo has no reduce_scatter; an AlltoAll of row blocks followed by a local sum moves
-    the same (N-1)/N of the table a ring reduce-scatter would.
-    """
-    world = plan.world_size
-    mine = plan.shard_size(rank)
-    recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
-    dist.all_to_all_single(recv, full_grad.contiguous(), [mine] * world, plan.sizes, group=group)
-    row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
-    record_all(ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes, (world - 1) * mine * row_bytes)
-    grad = recv.view(world, mine, *full_grad.shape[1:]).sum(0)
+    """Sum a full-table gradient over ranks and keep this rank's rows (AlltoAll-based)."""
+    grad = collectives.reduce_scatter_rows(full_grad, plan.sizes, group)
+    _record_grad(plan, full_grad, rank, ledgers)
     if scale != 1.0:
         grad.mul_(scale)
     return grad
 
 
-class GatherTable(torch.autograd.Function):
-    """Autograd node: shard -> full table; backward reduce-scatters the table gradient.
-
-    This is how a tied output projection reads a sharded table: the same volume as
-    the dense all-reduce DDP would have spent on it, never more.
-    """
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledger):  # type: ignore[override]
-        ctx.plan, ctx.group, ctx.rank, ctx.scale = plan, group, rank, scale
-        ctx.ledgers = ledgers_for(ledger)
-        return _padded_all_gather(shard.detach(), plan, group, rank, ctx.ledgers)
-
-    @staticmethod
-    def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
-        grad = reduce_scatter_rows(grad_full, ctx.plan, ctx.group, ctx.rank, ctx.scale, ctx.ledgers)
-        return grad, None, None, None, None, None
+def gather_table(shard: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledger) -> torch.Tensor:
+    """Shard -> full table as a differentiable tensor; the backward reduce-scatters the
+    table gradient (times ``scale``). This is how a tied output projection reads a
+    sharded table: the same volume as the dense all-reduce DDP would spend on it."""
+    ledgers = ledgers_for(ledger)
+    _record_gather(plan, shard, ledgers)
+    return collectives.gather_rows_from_group(
+        shard, plan.sizes, group, scale, on_backward=lambda g: _record_grad(plan, g, rank, ledgers))
 
 
 class PendingGather:
@@ -83,19 +73,17 @@ class PendingGather:
         with torch.no_grad():
             padded = shard.new_zeros(rows, *shard.shape[1:])
             padded[: shard.shape[0]] = shard.detach()
-        self._parts = [torch.empty_like(padded) for _ in range(plan.world_size)]
-        self._work = dist.all_gather(self._parts, padded, group=group, async_op=True)
-        self._padded = padded  # kept alive until the collective completes
+        self._pending: Optional[collectives.Pending] = collectives.all_gather_async(padded, group)
         nbytes = (plan.world_size - 1) * padded.numel() * padded.element_size()
-        record_async(ledgers, K.TABLE_GATHER, nbytes, nbytes, self._work)
+        record_async(ledgers, K.TABLE_GATHER, nbytes, nbytes, self._pending)
         self._full: Optional[torch.Tensor] = None
 
     def wait(self) -> torch.Tensor:
         """The full table (waits once; later calls return the same tensor)."""
         if self._full is None:
-            self._work.wait()
-            self._full = torch.cat([p[:n] for p, n in zip(self._parts, self.plan.sizes)], dim=0)
-            self._parts, self._padded = [], None
+            parts = self._pending.wait()
+            self._full = torch.cat([p[:n] for p, n in zip(parts, self.plan.sizes)], dim=0)
+            self._pending = None
         return self._full
 
 
@@ -105,7 +93,7 @@ class PendingTableGrads:
 
     def __init__(self, plan: ShardPlan, group, rank: int, scale: float, ledgers: List[CommLedger]) -> None:
         self.plan, self.group, self.rank, self.scale, self.ledgers = plan, group, rank, scale, ledgers
-        self._inflight: List[Any] = []  # (work, recv buffer)
+        self._inflight: List[Any] = []  # (pending collective, recv buffer, send buffer)
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -116,7 +104,7 @@ class PendingTableGrads:
         mine = plan.shard_size(self.rank)
         full_grad = full_grad.contiguous()
         recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
-        work = dist.all_to_all_single(recv, full_grad, [mine] * world, plan.sizes, group=self.group, async_op=True)
+        work = collectives.all_to_all_single_async(recv, full_grad, [mine] * world, list(plan.sizes), self.group)
         row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
         record_async(self.ledgers, K.TABLE_GRAD, (plan.num_embeddings - mine) * row_bytes,
                       (world - 1) * mine * row_bytes, work)

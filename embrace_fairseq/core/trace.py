@@ -59,6 +59,7 @@ class Tracer:
         self.rank = rank
         self.enabled = enabled
         self._events: List[Dict[str, Any]] = []
+        self._unresolved: List[Any] = []
         self._lock = threading.Lock()
         self._t0 = _now_us()
 
@@ -87,6 +88,19 @@ class Tracer:
         if self.enabled:
             self._add(kind, "comm", start_us, end_us, tid, dict(args, kind=kind, bytes=int(nbytes)))
 
+    def collective_async(self, kind: str, nbytes: int, pending: Any, tid: int = COMM_TID, **args: Any) -> None:
+        """A collective still in flight: its times are read (``pending.issued_us``,
+        ``pending.end_us()``) when the events are next read."""
+        if self.enabled:
+            with self._lock:
+                self._unresolved.append((kind, nbytes, pending, tid, args))
+
+    def _resolve(self) -> None:
+        with self._lock:
+            todo, self._unresolved = self._unresolved, []
+        for kind, nbytes, pending, tid, args in todo:
+            self.collective(kind, nbytes, pending.issued_us, pending.end_us(), tid=tid, **args)
+
     def _add(self, name: str, cat: str, start: float, end: float, tid: int, args: Dict[str, Any]) -> None:
         ev = {"name": name, "cat": cat, "ph": "X", "ts": start - self._t0, "dur": max(0.0, end - start),
               "pid": self.rank, "tid": tid, "args": args}
@@ -95,6 +109,7 @@ class Tracer:
 
     # ------------------------------------------------------------------ reading
     def events(self, cat: Optional[str] = None) -> List[Dict[str, Any]]:
+        self._resolve()
         with self._lock:
             evs = list(self._events)
         return [e for e in evs if cat is None or e["cat"] == cat]
@@ -102,6 +117,7 @@ class Tracer:
     def clear(self) -> None:
         with self._lock:
             self._events.clear()
+            self._unresolved.clear()
 
     def summary(self) -> Dict[str, Any]:
         """Bytes and time by kind, and how much communication time overlapped compute.
@@ -191,9 +207,11 @@ class TracingLedger(CommLedger):
 TABLE_TID = 3
 
 
-def record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int, work: Any) -> None:
+def record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int, pending: Any) -> None:
     """Count the bytes now; a tracing ledger also gets the collective as an event from
-    its issue to its completion (taken from the work's future, not from the wait)."""
+    its issue to its completion, taken from ``pending`` (a
+    :class:`~embrace_fairseq.core.collectives.Pending`: the work's future on gloo, CUDA
+    events on CUDA devices), not from whoever waits for it."""
     for ledger in ledgers:
         if not isinstance(ledger, TracingLedger):
             ledger.record(kind, sent, received)
@@ -201,8 +219,5 @@ def record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int,
         CommLedger.record(ledger, kind, sent, received)
         if ledger.inner is not None:
             ledger.inner.record(kind, sent, received)
-        tracer, start = ledger.tracer, ledger.tracer.now()
-        if tracer.enabled:
-            work.get_future().then(
-                lambda _f, t=tracer, s=start: t.collective(kind, sent, s, t.now(), tid=TABLE_TID, received=int(received))
-            )
+        if ledger.tracer.enabled:
+            ledger.tracer.collective_async(kind, sent, pending, tid=TABLE_TID, received=int(received))

@@ -14,7 +14,14 @@ What a checkpoint holds (fairseq's keys, so ``fairseq-generate``/``fairseq-eval-
   ``best``, and ``embrace_ds``: DeepSpeed's step counters and each rank's RNG state.
 
 Resume-only state that is not plain tensors travels as ``torch.save`` bytes, so the
-file stays loadable with ``weights_only=True``. Writing: rank 0 writes through
+file stays loadable with ``weights_only=True``. Everything is read with
+``weights_only=True`` (:mod:`embrace_fairseq.guards.safe_load`): the file and those bytes
+may hold tensors, containers, numpy RNG states and DeepSpeed's loss scalers and slice
+mappings, allowed for the load only; a file naming anything else is refused unrun.
+
+Memory: gathering the full tables and moments is collective, but only rank 0 writes.
+The other ranks drop them as soon as the gather is done, and rank 0 right after the
+write: no rank keeps a full table (or its moments) between saves. Writing: rank 0 writes through
 :mod:`embrace_fairseq.guards.atomic_io` (temporary file, fsync, rename, SHA-256 sidecar), so a
 crash leaves the previous checkpoint intact and a corrupted file is refused on load. Saving and loading are collectives (tables are gathered; every rank
 reads the file and keeps its own rows).
@@ -29,12 +36,13 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
+from embrace_fairseq.core.sharded_embedding import consolidate, release_consolidated
+from embrace_fairseq.guards import safe_load
 from embrace_fairseq.guards.atomic_io import atomic_save
 from embrace_fairseq.guards.atomic_io import load_checkpoint as atomic_load
 from embrace_fairseq.optim.optimizer_state import gather_sharded_state, to_local_state, with_full_state
-from embrace_fairseq.core.sharded_embedding import consolidate
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +53,27 @@ def _blob(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _unblob(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def checkpoint_globals() -> List[Any]:
+    """The classes a launcher checkpoint (and its ``torch.save`` bytes) may hold besides
+    tensors and containers: numpy RNG states, DeepSpeed's loss scalers, ZeRO's stage and
+    parameter slice mappings, fairseq's ``argparse.Namespace`` arguments (found by listing
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` of real ZeRO-0/1 checkpoints)."""
+    import argparse
+
+    out: List[Any] = [argparse.Namespace] + safe_load.numpy_globals()
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out += [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
+    except ImportError:  # pragma: no cover - the launcher needs DeepSpeed anyway
+        pass
+    return out
+
+
+def _unblob(data: bytes, what: str = "resume state") -> Any:
+    return safe_load.load(data, checkpoint_globals(), name=f"the {what} inside the checkpoint")
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -65,13 +92,34 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _gather_objects(obj: Any) -> List[Any]:
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj)
 
 
 def _plain_torch_optimizer(opt: Any) -> bool:
     return type(opt).__module__.startswith("torch.optim")
+
+
+def gather_full_state(engine: Any, model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """The model with full tables, the optimizer states with full-table moments and every
+    rank's RNG: on rank 0 (the writer); None elsewhere. Collective. No rank keeps the
+    full tables afterwards (the caller holds rank 0's until it has written them)."""
+    hook, opt, writer = engine.embrace, engine.optimizer, collectives.rank() == 0
+    consolidate(model)  # collective: every rank gathers, only the writer keeps
+    try:
+        state = model.state_dict() if writer else None
+    finally:
+        release_consolidated(model)
+    shard_state = hook.shard_optimizer.full_state_dict() if hook.shard_optimizer is not None else None
+    dense = dense_per_rank = None
+    if _plain_torch_optimizer(opt):
+        dense = with_full_state(opt.state_dict(), gather_sharded_state(opt))
+    else:
+        dense_per_rank = _gather_objects(_blob(opt.state_dict()))
+    rng = _gather_objects(_blob(_rng_state()))
+    if not writer:
+        return None
+    return {"model": {k: v.detach().cpu() for k, v in state.items()}, "rng": rng,
+            "optimizer": {"shards": shard_state, "dense": dense, "dense_per_rank": dense_per_rank}}
 
 
 def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, criterion: Any, epoch_itr: Any,
@@ -80,24 +128,14 @@ def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, cr
     overrides ``epoch_itr.state_dict()`` (a caller that has read ahead)."""
     from omegaconf import OmegaConf
 
-    hook = engine.embrace
-    consolidate(model)
-    state = model.state_dict()
-    shard_state = hook.shard_optimizer.full_state_dict() if hook.shard_optimizer is not None else None
-    opt = engine.optimizer
-    dense = dense_per_rank = None
-    if _plain_torch_optimizer(opt):
-        dense = with_full_state(opt.state_dict(), gather_sharded_state(opt))
-    else:
-        dense_per_rank = _gather_objects(_blob(opt.state_dict()))
-    rng = _gather_objects(_blob(_rng_state()))
-    sched = engine.lr_scheduler
-    if dist.get_rank() == 0:
+    full = gather_full_state(engine, model)
+    if full is not None:
+        sched = engine.lr_scheduler
         ckpt = {
             # a plain container, as fairseq's trainer saves it (loadable with weights_only)
             "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg,
             "args": None,
-            "model": {k: v.detach().cpu() for k, v in state.items()},
+            "model": full["model"],
             "criterion": None,
             "optimizer_history": [{
                 "criterion_name": criterion.__class__.__name__,
@@ -112,20 +150,21 @@ def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, cr
                 "best": extra.get("best_loss"),
                 "metrics": {},
                 "embrace_ds": {
-                    "world_size": dist.get_world_size(),
+                    "world_size": collectives.world_size(),
                     "global_steps": int(engine.global_steps),
                     "global_samples": int(engine.global_samples),
                     "skipped_steps": int(engine.skipped_steps),
-                    "rng_per_rank": rng,
+                    "rng_per_rank": full["rng"],
                 },
             },
-            "last_optimizer_state": {"shards": shard_state, "dense": dense, "dense_per_rank": dense_per_rank},
+            "last_optimizer_state": full["optimizer"],
         }
+        del full
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
         atomic_save(ckpt, path)  # temp file, fsync, rename, SHA-256 sidecar
         logger.info("saved %s (epoch %d, %d updates)", path, epoch_itr.epoch, engine.global_steps)
-    dist.barrier()
+    collectives.barrier()
 
 
 def restore_path(cfg: Any) -> Optional[str]:
@@ -140,33 +179,45 @@ def restore_path(cfg: Any) -> Optional[str]:
     return None
 
 
+def _load_optimizer(path: str, ckpt: Dict[str, Any], engine: Any, cfg: Any) -> None:
+    """DeepSpeed's optimizer, the shard optimizer and the LR schedule from ``ckpt``."""
+    rank, world = collectives.rank(), collectives.world_size()
+    hook = engine.embrace
+    opt_state = ckpt.get("last_optimizer_state") or {}
+    if opt_state.get("dense") is not None:
+        engine.optimizer.load_state_dict(to_local_state(opt_state["dense"], engine.optimizer))
+        hook.optimizer_state_loaded()
+    elif opt_state.get("dense_per_rank") is not None:
+        blobs = opt_state["dense_per_rank"]
+        if len(blobs) != world:
+            raise ValueError(f"{path}: DeepSpeed's optimizer state was saved by {len(blobs)} ranks (ZeRO partitions it); "
+                             f"resume with {len(blobs)} ranks or pass --reset-optimizer")
+        what = "optimizer state"
+        if engine.zero_optimization_stage() >= 1:
+            engine.optimizer.load_state_dict([_unblob(b, what) for b in blobs])  # ZeRO takes every rank's
+        else:
+            engine.optimizer.load_state_dict(_unblob(blobs[rank], what))
+        hook.optimizer_state_loaded()  # its fp32 masters came with it
+    if hook.shard_optimizer is not None and opt_state.get("shards") is not None:
+        hook.shard_optimizer.load_full_state_dict(opt_state["shards"])
+    sched = ckpt["optimizer_history"][-1].get("lr_scheduler_state") or {}
+    if engine.lr_scheduler is not None and not cfg.checkpoint.reset_lr_scheduler and "embrace_ds" in sched:
+        engine.lr_scheduler.load_state_dict(_unblob(sched["embrace_ds"], "LR scheduler state"))
+
+
 def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, epoch_itr: Any, cfg: Any) -> Dict[str, Any]:
     """Restore weights, optimizer, LR schedule, counters, iterator position and RNG. Every
-    rank reads the file and keeps its rows. Returns the launcher's extra state."""
-    ckpt = atomic_load(path, map_location="cpu", weights_only=False)  # refuses truncated/corrupted files
-    model.load_state_dict(ckpt["model"], strict=True)
+    rank reads the file (``weights_only=True``) and keeps its rows. Without optimizer
+    state (``--reset-optimizer``) the fp32 master copies are refreshed from the loaded
+    weights at the first step. Returns the launcher's extra state."""
+    # refuses truncated/corrupted files, and files naming code outside the allow-list
+    ckpt = atomic_load(path, map_location="cpu", allowed_globals=checkpoint_globals())
+    model.load_state_dict(ckpt["model"], strict=True)  # marks the masters stale (engine hook)
     extra = ckpt.get("extra_state") or {}
     ds = extra.get("embrace_ds") or {}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hook = engine.embrace
+    rank, world = collectives.rank(), collectives.world_size()
     if not cfg.checkpoint.reset_optimizer:
-        opt_state = ckpt.get("last_optimizer_state") or {}
-        if opt_state.get("dense") is not None:
-            engine.optimizer.load_state_dict(to_local_state(opt_state["dense"], engine.optimizer))
-        elif opt_state.get("dense_per_rank") is not None:
-            blobs = opt_state["dense_per_rank"]
-            if len(blobs) != world:
-                raise ValueError(f"{path}: DeepSpeed's optimizer state was saved by {len(blobs)} ranks (ZeRO partitions it); "
-                                 f"resume with {len(blobs)} ranks or pass --reset-optimizer")
-            if engine.zero_optimization_stage() >= 1:
-                engine.optimizer.load_state_dict([_unblob(b) for b in blobs])  # ZeRO takes every rank's
-            else:
-                engine.optimizer.load_state_dict(_unblob(blobs[rank]))
-        if hook.shard_optimizer is not None and opt_state.get("shards") is not None:
-            hook.shard_optimizer.load_full_state_dict(opt_state["shards"])
-        sched = ckpt["optimizer_history"][-1].get("lr_scheduler_state") or {}
-        if engine.lr_scheduler is not None and not cfg.checkpoint.reset_lr_scheduler and "embrace_ds" in sched:
-            engine.lr_scheduler.load_state_dict(_unblob(sched["embrace_ds"]))
+        _load_optimizer(path, ckpt, engine, cfg)
     if not cfg.checkpoint.reset_dataloader and "train_iterator" in extra:
         epoch_itr.load_state_dict(extra["train_iterator"])
     engine.global_steps = int(ds.get("global_steps", ckpt["optimizer_history"][-1]["num_updates"]))
@@ -174,6 +225,6 @@ def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, epoch_itr: A
     engine.skipped_steps = int(ds.get("skipped_steps", 0))
     rng = ds.get("rng_per_rank")
     if rng is not None and len(rng) == world:
-        _set_rng_state(_unblob(rng[rank]))
-    dist.barrier()
+        _set_rng_state(_unblob(rng[rank], "RNG state"))
+    collectives.barrier()
     return {"best_loss": extra.get("best"), "val_loss": extra.get("val_loss")}

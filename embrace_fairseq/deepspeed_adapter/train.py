@@ -37,7 +37,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
+
+from embrace_fairseq.core import collectives
 
 logger = logging.getLogger("embrace_fairseq.deepspeed_adapter.train")
 
@@ -120,7 +121,7 @@ def validate(engine: Any, task: Any, criterion: Any, cfg: Any, model: torch.nn.M
     ).next_epoch_itr(shuffle=False)
     batches = [s for s in itr if not _is_empty(s)]
     count = torch.tensor([len(batches)], dtype=torch.long)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(count, op="max")  # staged on the group's device (NCCL: the GPU)
     engine.eval()
     totals = torch.zeros(2, dtype=torch.float64)
     try:
@@ -132,19 +133,19 @@ def validate(engine: Any, task: Any, criterion: Any, cfg: Any, model: torch.nn.M
                 totals += torch.tensor([float(loss), float(sample_size)], dtype=torch.float64)
     finally:
         engine.train()
-    dist.all_reduce(totals)
+    collectives.all_reduce(totals)
     return float(totals[0] / totals[1].clamp_min(1.0) / math.log(2))
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO, stream=sys.stdout)
+def _setup(argv: Optional[List[str]]) -> Dict[str, Any]:
+    """Parse fairseq's flags and the DeepSpeed config, start DeepSpeed, build task, model,
+    criterion and engine. Returns them by name."""
     import embrace_fairseq.fairseq_adapter  # noqa: F401  (compat fixes + EmbRace architectures)
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     # absolute imports: this file also runs as a script (deepspeed launcher)
     from embrace_fairseq.deepspeed_adapter import initialize
-    from embrace_fairseq.deepspeed_adapter.checkpoint import load_checkpoint, restore_path, save_checkpoint
     from embrace_fairseq.deepspeed_adapter.config import split_config
     from embrace_fairseq.deepspeed_adapter.fairseq_options import apply_fairseq_options
 
@@ -162,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if section is not None:
         ds_config["embrace"] = section
     _init_distributed(cpu)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = collectives.rank(), collectives.world_size()
     # fairseq's parser saw no world size: record the real one so the saved cfg is truthful
     args.distributed_world_size, args.distributed_rank = world, rank
     cfg = convert_namespace_to_omegaconf(args)
@@ -184,105 +185,143 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     logger.info("rank %d/%d: %s, %d parameters on this rank", rank, world, cfg.model._name,
                 sum(p.numel() for p in model.parameters()))
-
     task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
-    validating = not cfg.dataset.disable_validation
-    if validating:
+    if not cfg.dataset.disable_validation:
         for subset in cfg.dataset.valid_subset.split(",")[:1]:
             task.load_dataset(subset, combine=False, epoch=1)
-    max_epoch = cfg.optimization.max_epoch or math.inf
-    max_update = cfg.optimization.max_update or math.inf
-    save_dir = cfg.checkpoint.save_dir
-    save_updates = cfg.checkpoint.save_interval_updates or 0
-    valid_updates = cfg.dataset.validate_interval_updates or 0
-    epoch_itr = _epoch_iterator(task, cfg, model, rank, world, 1)
-    extra: Dict[str, Any] = {"best_loss": None}
-    path = restore_path(cfg)
-    if path is not None:
-        extra = load_checkpoint(path, engine, model, epoch_itr, cfg)
-        logger.info("rank %d: resumed from %s at update %d (epoch %d, %d batches in)", rank, path,
-                    engine.global_steps, epoch_itr.epoch, epoch_itr.iterations_in_epoch)
-    num_updates = engine.global_steps
-    last_sample = None
-    start = time.time()
+    return {"cfg": cfg, "task": task, "model": model, "criterion": criterion, "device": device,
+            "engine": engine, "rank": rank, "world": world}
 
-    peeked: List[Any] = [False, 0, 0]  # read ahead?, epoch, batches read
 
-    def checkpoint(name: str, val_loss: Optional[float] = None) -> None:
-        extra["val_loss"] = val_loss
-        itr_state = epoch_itr.state_dict()
-        if peeked[0]:
+class _Trainer:
+    """The launcher's loop: epochs of fairseq batches, validation and checkpoints."""
+
+    def __init__(self, built: Dict[str, Any]) -> None:
+        from embrace_fairseq.deepspeed_adapter.checkpoint import load_checkpoint, restore_path
+
+        self.__dict__.update(built)
+        cfg = self.cfg
+        self.validating = not cfg.dataset.disable_validation
+        self.epoch_itr = _epoch_iterator(self.task, cfg, self.model, self.rank, self.world, 1)
+        self.extra: Dict[str, Any] = {"best_loss": None}
+        path = restore_path(cfg)
+        if path is not None:
+            self.extra = load_checkpoint(path, self.engine, self.model, self.epoch_itr, cfg)
+            logger.info("rank %d: resumed from %s at update %d (epoch %d, %d batches in)", self.rank, path,
+                        self.engine.global_steps, self.epoch_itr.epoch, self.epoch_itr.iterations_in_epoch)
+        self.num_updates = self.engine.global_steps
+        self.last_sample = None
+        self.start = time.time()
+        self.peeked: List[Any] = [False, 0, 0]  # read ahead?, epoch, batches read
+
+    def checkpoint(self, name: str, val_loss: Optional[float] = None) -> None:
+        from embrace_fairseq.deepspeed_adapter.checkpoint import save_checkpoint
+
+        self.extra["val_loss"] = val_loss
+        itr_state = self.epoch_itr.state_dict()
+        if self.peeked[0]:
             # the batch read ahead is not consumed (fairseq would call a fully read epoch done)
-            itr_state["epoch"], itr_state["iterations_in_epoch"] = peeked[1], peeked[2] - 1
-        save_checkpoint(os.path.join(save_dir, name), cfg, engine, model, criterion, epoch_itr, extra, itr_state)
+            itr_state["epoch"], itr_state["iterations_in_epoch"] = self.peeked[1], self.peeked[2] - 1
+        save_checkpoint(os.path.join(self.cfg.checkpoint.save_dir, name), self.cfg, self.engine, self.model,
+                        self.criterion, self.epoch_itr, self.extra, itr_state)
 
-    def validate_and_save(end_of_epoch: bool) -> None:
+    def validate_and_save(self, end_of_epoch: bool) -> None:
+        cfg, epoch_itr, extra = self.cfg, self.epoch_itr, self.extra
         val = None
-        if validating:
-            val = validate(engine, task, criterion, cfg, model, device, rank, world, last_sample)
-            if rank == 0:
-                logger.info("valid | epoch %d | update %d | loss %.4f", epoch_itr.epoch, num_updates, val)
+        if self.validating:
+            val = validate(self.engine, self.task, self.criterion, cfg, self.model, self.device, self.rank,
+                           self.world, self.last_sample)
+            if self.rank == 0:
+                logger.info("valid | epoch %d | update %d | loss %.4f", epoch_itr.epoch, self.num_updates, val)
         if cfg.checkpoint.no_save:
             return
-        if end_of_epoch and epoch_itr.epoch % max(1, cfg.checkpoint.save_interval) == 0 and not cfg.checkpoint.no_epoch_checkpoints:
-            checkpoint(f"checkpoint{epoch_itr.epoch}.pt", val)
+        if (end_of_epoch and epoch_itr.epoch % max(1, cfg.checkpoint.save_interval) == 0
+                and not cfg.checkpoint.no_epoch_checkpoints):
+            self.checkpoint(f"checkpoint{epoch_itr.epoch}.pt", val)
         if val is not None and (extra.get("best_loss") is None or val < extra["best_loss"]):
             extra["best_loss"] = val
-            checkpoint("checkpoint_best.pt", val)
-        checkpoint("checkpoint_last.pt", val)
+            self.checkpoint("checkpoint_best.pt", val)
+        self.checkpoint("checkpoint_last.pt", val)
 
-    while epoch_itr.next_epoch_idx <= max_epoch and num_updates < max_update:
+    def update(self, sample: Any, upcoming: Any, relaxed: bool) -> Any:
+        """One update on ``sample`` (an empty batch repeats the last one with weight zero)."""
+        from fairseq import utils
+
+        engine, cfg = self.engine, self.cfg
+        empty = _is_empty(sample)
+        if empty:
+            if self.last_sample is None:
+                raise RuntimeError("the first batch of a shard is empty: use a larger training set or fewer ranks")
+            sample = self.last_sample
+        sample = _move(sample, self.device)
+        self.last_sample = sample
+        engine.train()
+        utils.set_torch_seed(cfg.common.seed + self.num_updates)  # as fairseq's trainer: dropout per update
+        loss, sample_size, log = self.criterion(engine, sample)
+        if relaxed:
+            engine.embrace.next_batch(None if upcoming is None or _is_empty(upcoming) else upcoming)
+        loss = loss / max(sample_size, 1)
+        if empty:
+            loss = loss * 0.0  # takes part in the collectives, contributes nothing
+        engine.backward(loss)
+        engine.step()
+        self.num_updates = engine.global_steps
+        return loss
+
+    def run_epoch(self, max_update: float) -> bool:
+        """One epoch (or up to ``max_update``); returns whether the update limit was hit."""
+        cfg, engine = self.cfg, self.engine
+        save_updates = cfg.checkpoint.save_interval_updates or 0
+        valid_updates = cfg.dataset.validate_interval_updates or 0
         # every rank gets the same number of batches (short shards are padded with
         # empty ones), so every rank takes part in every collective
-        itr = epoch_itr.next_epoch_itr(shuffle=True)
-        epoch = epoch_itr.epoch
+        itr = self.epoch_itr.next_epoch_itr(shuffle=True)
+        epoch = self.epoch_itr.epoch
         relaxed = engine.embrace.relaxed is not None
         upcoming = next(itr, None) if itr.has_next() else None
+        stop = False
         while upcoming is not None:
             sample = upcoming
             # the relaxed embedding dependency is told the next batch: a lookahead of one
             # (checkpoints then record one batch less as consumed)
             upcoming = next(itr, None) if relaxed and itr.has_next() else None
-            peeked[:] = [upcoming is not None, epoch, itr.n]
-            empty = _is_empty(sample)
-            if empty:
-                if last_sample is None:
-                    raise RuntimeError("the first batch of a shard is empty: use a larger training set or fewer ranks")
-                sample = last_sample
-            sample = _move(sample, device)
-            last_sample = sample
-            engine.train()
-            utils.set_torch_seed(cfg.common.seed + num_updates)  # as fairseq's trainer: dropout per update
-            loss, sample_size, log = criterion(engine, sample)
-            if relaxed:
-                engine.embrace.next_batch(None if upcoming is None or _is_empty(upcoming) else upcoming)
-            loss = loss / max(sample_size, 1)
-            if empty:
-                loss = loss * 0.0  # takes part in the collectives, contributes nothing
-            engine.backward(loss)
-            engine.step()
-            num_updates = engine.global_steps
-            if rank == 0 and cfg.common.log_interval and num_updates % cfg.common.log_interval == 0:
-                logger.info("epoch %d | update %d | loss %r | lr %r | %.1f s", epoch, num_updates,
-                            float(loss.detach()) / math.log(2), engine.get_lr()[0], time.time() - start)
-            stop = num_updates >= max_update
+            self.peeked[:] = [upcoming is not None, epoch, itr.n]
+            loss = self.update(sample, upcoming, relaxed)
+            n = self.num_updates
+            if self.rank == 0 and cfg.common.log_interval and n % cfg.common.log_interval == 0:
+                logger.info("epoch %d | update %d | loss %r | lr %r | %.1f s", epoch, n,
+                            float(loss.detach()) / math.log(2), engine.get_lr()[0], time.time() - self.start)
+            stop = n >= max_update
             at_end = not itr.has_next() and upcoming is None
-            if not at_end and ((save_updates and num_updates % save_updates == 0) or
-                               (valid_updates and num_updates % valid_updates == 0) or stop):
-                validate_and_save(False)
+            if not at_end and ((save_updates and n % save_updates == 0) or
+                               (valid_updates and n % valid_updates == 0) or stop):
+                self.validate_and_save(False)
             if stop:
                 break
             if not relaxed:
                 upcoming = next(itr, None) if itr.has_next() else None
-        stopped_early = peeked[0] or itr.has_next()  # max-update reached inside the epoch
-        peeked[0] = False
-        if not stopped_early and epoch_itr.end_of_epoch():
-            validate_and_save(True)
-    hook = engine.embrace
-    if rank == 0:
-        logger.info("done: %d updates in %.1f s", num_updates, time.time() - start)
+        stopped_early = self.peeked[0] or itr.has_next()  # max-update reached inside the epoch
+        self.peeked[0] = False
+        if not stopped_early and self.epoch_itr.end_of_epoch():
+            self.validate_and_save(True)
+        return stop
+
+    def run(self) -> None:
+        max_epoch = self.cfg.optimization.max_epoch or math.inf
+        max_update = self.cfg.optimization.max_update or math.inf
+        while self.epoch_itr.next_epoch_idx <= max_epoch and self.num_updates < max_update:
+            self.run_epoch(max_update)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO, stream=sys.stdout)
+    trainer = _Trainer(_setup(argv))
+    trainer.run()
+    hook = trainer.engine.embrace
+    if trainer.rank == 0:
+        logger.info("done: %d updates in %.1f s", trainer.num_updates, time.time() - trainer.start)
     if hook.config.trace is not None:
-        logger.info("rank %d communication: %s", rank, hook.summary())
+        logger.info("rank %d communication: %s", trainer.rank, hook.summary())
         hook.close()
 
 

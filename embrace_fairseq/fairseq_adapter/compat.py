@@ -22,11 +22,12 @@ there too:
 3. ``--ddp-backend c10d`` on CPU (:class:`_DeviceAwareDDP`). fairseq passes
    ``device_ids=[device_id]`` to ``DistributedDataParallel`` whatever the device; torch rejects
    that for CPU modules. The ids are dropped for modules that live on the CPU.
-4. Checkpoint loading under ``weights_only=True`` (:func:`_allow_fairseq_checkpoint_globals`,
+4. Checkpoint loading under ``weights_only=True`` (:func:`fairseq_checkpoint_globals`,
    :func:`_wrap_broadcast_object_slow`). torch >= 2.6 refuses the few non-tensor classes fairseq
-   pickles; those of checkpoint files are allow-listed with
-   ``torch.serialization.add_safe_globals``, and those of the rank-to-rank copy of a resumed
-   checkpoint only while it is received.
+   pickles; those of checkpoint files are allowed while a checkpoint is read
+   (:mod:`.checkpoint_io`, ``torch.serialization.safe_globals`` around the load), and those of
+   the rank-to-rank copy of a resumed checkpoint only while it is received. Nothing is
+   allowed process-wide.
 5. A peer watchdog (:func:`_wrap_distributed_init`): ranks started without torchrun
    (``--distributed-init-method tcp://... --distributed-rank R``) have no agent to stop
    them when another rank dies; :mod:`embrace_fairseq.guards.watchdog` does
@@ -279,18 +280,9 @@ def fairseq_checkpoint_globals() -> List[Any]:
 
     Everything else is tensors, ``OrderedDict`` and builtins, which torch accepts already.
     """
-    import numpy as np
+    from embrace_fairseq.guards.safe_load import numpy_globals
 
-    out: List[Any] = [argparse.Namespace, np.ndarray, np.dtype]
-    multiarray = getattr(np, "_core", None) or np.core  # numpy >= 2 moved it to numpy._core
-    reconstruct = multiarray.multiarray._reconstruct
-    out.append(reconstruct)
-    if reconstruct.__module__ != "numpy.core.multiarray":
-        out.append((reconstruct, "numpy.core.multiarray._reconstruct"))
-    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25 pickles dtypes through these classes
-    if dtypes is not None:
-        out.append(dtypes.Int64DType)
-    return out
+    return [argparse.Namespace] + numpy_globals()
 
 
 def rank_broadcast_globals() -> List[Any]:
@@ -317,16 +309,6 @@ def rank_broadcast_globals() -> List[Any]:
     ]
 
 
-def _allow_fairseq_checkpoint_globals() -> None:
-    add = getattr(torch.serialization, "add_safe_globals", None)
-    if add is None:  # torch < 2.4 loads with weights_only=False by default: nothing to do
-        return
-    known = torch.serialization.get_safe_globals()
-    new = [g for g in fairseq_checkpoint_globals() if g not in known]
-    if new:
-        add(new)
-
-
 def _wrap_broadcast_object_slow(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def _broadcast_object_slow(*args: Any, **kwargs: Any) -> Any:
@@ -336,7 +318,7 @@ def _wrap_broadcast_object_slow(orig: Callable) -> Callable:
         safe = getattr(torch.serialization, "safe_globals", None)
         if safe is None:  # torch < 2.5: no weights_only default, nothing to allow
             return orig(*args, **kwargs)
-        with safe(rank_broadcast_globals()):
+        with safe(rank_broadcast_globals() + fairseq_checkpoint_globals()):  # the checkpoint's own too
             return orig(*args, **kwargs)
 
     return _mark(_broadcast_object_slow)
@@ -390,7 +372,6 @@ def apply() -> None:
         du.call_main = _wrap_call_main(du.call_main, du)
     if not _is_ours(dfm.DistributedDataParallel):
         dfm.DistributedDataParallel = _make_device_aware_ddp(dfm.DistributedDataParallel)
-    _allow_fairseq_checkpoint_globals()
     if not _is_ours(du.all_gather_list):
         du.all_gather_list = _wrap_all_gather_list(du.all_gather_list, du)
     if not _is_ours(du._broadcast_object_slow):

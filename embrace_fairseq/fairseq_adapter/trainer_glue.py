@@ -10,7 +10,12 @@ the algorithms live in the core modules (grad_norm, optimizer_state).
   full tables and the shards' optimizer state, so rank 0 writes world-size
   independent checkpoints.
 * ``Trainer.state_dict``: writes those full optimizer states.
-* ``FairseqOptimizer.load_state_dict``: each rank keeps its rows of full states.
+* ``FairseqOptimizer.load_state_dict``: each rank keeps its rows of full states; also
+  ``--memory-efficient-fp16/bf16``'s loader, which copies the loaded moments back
+  after the wrapped optimizer's load (it gets them sliced first).
+* ``Trainer.consolidate_optimizer`` / ``Trainer.save_checkpoint``: the full tables and
+  moments gathered for a save are dropped by the ranks that do not write at once, and
+  by the writer right after writing: no rank keeps them between saves.
 * ``Trainer.__init__``: rejects combinations that cannot work, at start-up, and turns
   on the overlapped full-table exchange of tied tables (``EMBRACE_TABLE_OVERLAP=0``: off).
 * ``FairseqOptimizer.all_reduce_grads``: first waits for the tables' overlapped
@@ -30,6 +35,7 @@ import torch
 from fairseq import utils as fairseq_utils
 from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
+from fairseq.optim.fp16_optimizer import _MemoryEfficientFP16OptimizerMixin
 from fairseq.trainer import Trainer
 
 from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
@@ -38,6 +44,7 @@ from embrace_fairseq.core.sharded_embedding import (
     consolidate,
     finish_pending,
     is_sharded_param,
+    release_consolidated,
     sharded_embeddings,
 )
 
@@ -80,9 +87,50 @@ def _consolidate_optimizer(original):
             consolidate(self.model)  # collective: every rank is here before a save
             if not self.cfg.checkpoint.no_save_optimizer_state:
                 self._embrace_full_optim = gather_sharded_state(_torch_optimizer(self.optimizer))
+            if not _writes(self):
+                release_full_copies(self)  # gathered for rank 0's file only
         return original(self)
 
     return consolidate_optimizer
+
+
+def _writes(trainer: Trainer) -> bool:
+    return bool(getattr(trainer, "should_save_checkpoint_on_current_rank", True)) or bool(
+        getattr(trainer, "always_call_state_dict_during_save_checkpoint", False))
+
+
+def release_full_copies(trainer: Trainer) -> None:
+    """Drop the full tables and moments gathered for a save."""
+    trainer._embrace_full_optim = None
+    release_consolidated(trainer.model)
+
+
+def _save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(self: Trainer, filename, extra_state):
+        try:
+            return original(self, filename, extra_state)
+        finally:
+            release_full_copies(self)
+
+    return save_checkpoint
+
+
+def _mem_efficient_load_state_dict(original):
+    """fairseq's ``_MemoryEfficientFP16OptimizerMixin.load_state_dict`` loads through the
+    wrapped optimizer (sliced by :func:`_optimizer_load_state_dict`) and then copies the
+    *given* state's moments back over it, full tables included: the first update then
+    fails with a shape mismatch. Slice them before it sees them."""
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        inner = getattr(self, "wrapped_optimizer", None)
+        inner = getattr(inner, "_optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            state_dict = to_local_state(state_dict, inner)
+        return original(self, state_dict, optimizer_overrides)
+
+    return load_state_dict
 
 
 def _state_dict(original):
@@ -200,6 +248,9 @@ def apply() -> None:
     fairseq_utils.clip_grad_norm_ = _clip_grad_norm(fairseq_utils.clip_grad_norm_)
     Trainer.consolidate_optimizer = _consolidate_optimizer(Trainer.consolidate_optimizer)
     Trainer.state_dict = _state_dict(Trainer.state_dict)
+    Trainer.save_checkpoint = _save_checkpoint(Trainer.save_checkpoint)
+    _MemoryEfficientFP16OptimizerMixin.load_state_dict = _mem_efficient_load_state_dict(
+        _MemoryEfficientFP16OptimizerMixin.load_state_dict)
     Trainer.__init__ = _trainer_init(Trainer.__init__)
     FairseqOptimizer.all_reduce_grads = _all_reduce_grads(FairseqOptimizer.all_reduce_grads)
     FairseqOptimizer.load_state_dict = _optimizer_load_state_dict(FairseqOptimizer.load_state_dict)

@@ -14,6 +14,17 @@ and the old digest, then the new one alone), so the file matches it whatever mom
 crash hits. Reading (:func:`verify`, :func:`load_checkpoint`) refuses a truncated or
 corrupted file with :class:`CorruptCheckpointError`; a file without a sidecar (written
 by another tool) is only read.
+
+Sidecar rules. A file that does not match its sidecar is either damaged or was
+replaced outside this module (``cp``, ``rsync``, another tool) after the sidecar was
+written. The zip container torch writes holds a CRC-32 of every record: a damaged file
+fails them (any flipped bit does), a file written whole by another tool passes them.
+So on a mismatch the records are checked: intact, the sidecar is stale and is rewritten
+for the file (with a warning) instead of refusing a good checkpoint; not intact, the
+file is refused with :class:`CorruptCheckpointError`. A sidecar whose checkpoint
+is gone (fairseq's ``--keep-*`` cleanup removes old checkpoints with ``os.remove``) is
+removed by :func:`remove_orphan_sidecars`, which the fairseq adapter runs after each
+save. Reading always uses ``weights_only=True`` (:mod:`.safe_load`).
 """
 from __future__ import annotations
 
@@ -22,9 +33,12 @@ import hashlib
 import os
 import shutil
 import tempfile
-from typing import Any, BinaryIO, Callable
+import warnings
+from typing import Any, BinaryIO, Callable, Sequence
 
 import torch
+
+from embrace_fairseq.guards import safe_load
 
 SIDECAR = ".sha256"
 
@@ -58,12 +72,45 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _read_sidecar(path: str) -> list:
+def _read_lines(path: str) -> list:
     try:
         with open(path + SIDECAR) as f:
-            return [line.split()[0] for line in f if line.strip()]
+            return [line.split() for line in f if line.strip()]
     except OSError:
         return []
+
+
+def _read_sidecar(path: str) -> list:
+    return [fields[0] for fields in _read_lines(path)]
+
+
+def zip_records_intact(path: str) -> bool:
+    """Whether every record of the zip file ``path`` matches its CRC-32 (False for a
+    file that is not a readable zip archive)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip() is None
+    except Exception:
+        return False
+
+
+def remove_orphan_sidecars(folder: str) -> list:
+    """Remove every ``*.sha256`` in ``folder`` whose checkpoint no longer exists; return them."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if name.endswith(SIDECAR) and not os.path.exists(os.path.join(folder, name[: -len(SIDECAR)])):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(os.path.join(folder, name))
+            except OSError:
+                pass
+    return removed
 
 
 def _write_small(path: str, text: str) -> None:
@@ -93,15 +140,15 @@ def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        digest = file_digest(tmp)
+        new = file_digest(tmp)
         old = (_read_sidecar(path)[:1] or [file_digest(path)])[0] if os.path.exists(path) else None
         # while the rename happens, both the old and the new file are valid
-        _write_small(path + SIDECAR, "".join(f"{d}\n" for d in (digest, old) if d))
+        _write_small(path + SIDECAR, "".join(f"{d}\n" for d in (new, old) if d))
         os.replace(tmp, path)
     except BaseException as exc:
         _failed(tmp, path, exc)
     try:
-        _write_small(path + SIDECAR, f"{digest}\n")
+        _write_small(path + SIDECAR, f"{new}\n")
     except OSError:
         pass  # the sidecar still lists the new digest (with the old one)
     _fsync_dir(folder)
@@ -159,23 +206,37 @@ def _cause(exc: BaseException) -> str:
 
 def verify(path: str) -> None:
     """Raise :class:`CorruptCheckpointError` unless ``path`` matches its sidecar digest
-    (a file without a sidecar passes)."""
+    (a file without a sidecar passes; a stale sidecar is rewritten: see the module doc)."""
     allowed = _read_sidecar(path)
-    if allowed and file_digest(path) not in allowed:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} ({os.path.getsize(path)} bytes) is corrupted: its SHA-256 does not match "
-            f"{os.path.basename(path) + SIDECAR}, written with it. It was not loaded; restore it from a "
-            "copy, or resume from an earlier checkpoint (fairseq: --restore-file)."
-        )
+    if not allowed:
+        return
+    digest = file_digest(path)
+    if digest in allowed:
+        return
+    if zip_records_intact(path):
+        warnings.warn(f"{path} was replaced after its {SIDECAR} sidecar was written (its records are intact): "
+                      "the sidecar is rewritten for it", RuntimeWarning)
+        try:
+            _write_small(path + SIDECAR, f"{digest}\n")
+        except OSError:
+            pass
+        return
+    raise CorruptCheckpointError(
+        f"checkpoint {path} ({os.path.getsize(path)} bytes) is corrupted: its SHA-256 does not match "
+        f"{os.path.basename(path) + SIDECAR}, written with it, and its records fail their CRC-32. It was not "
+        "loaded; restore it from a copy, or resume from an earlier checkpoint (fairseq: --restore-file)."
+    )
 
 
-def load_checkpoint(path: str, **kwargs: Any) -> Any:
-    """``torch.load(path)`` that refuses a truncated or corrupted file, naming it."""
+def load_checkpoint(path: str, allowed_globals: Sequence[Any] = (), **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True)`` that refuses a truncated or corrupted file,
+    naming it, and a file naming code outside ``allowed_globals``
+    (:class:`~embrace_fairseq.guards.safe_load.UnsafeCheckpointError`, nothing run)."""
     verify(path)
     try:
         with open(path, "rb") as f:
-            return torch.load(f, **kwargs)
-    except FileNotFoundError:
+            return safe_load.load(f, allowed_globals, name=f"checkpoint {path}", **kwargs)
+    except (FileNotFoundError, safe_load.UnsafeCheckpointError):
         raise
     except Exception as exc:
         raise corrupt_error(path, exc) from exc

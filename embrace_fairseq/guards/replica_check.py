@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core.sharded_embedding import is_sharded_param
 
 
@@ -36,11 +37,10 @@ def check_replicas_agree(module: torch.nn.Module, group: Optional["dist.ProcessG
     """Collective: every rank's digest; raises :class:`ReplicaDivergenceError` on every
     rank when they differ, naming the ranks of each digest."""
     digest = dense_digest(module)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if collectives.world_size(group) == 1:
         return [digest]
     mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = collectives.all_gather(mine, group)
     digests = [bytes(t.tolist()).hex() for t in gathered]
     if len(set(digests)) > 1:
         by_value = {}

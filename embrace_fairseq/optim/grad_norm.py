@@ -12,6 +12,8 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
+
 
 def sharded_sq_norm(grads: Iterable[torch.Tensor], group: Optional["dist.ProcessGroup"] = None) -> torch.Tensor:
     """Sum over the group of the squared L2 norms of this rank's shard gradients.
@@ -24,8 +26,8 @@ def sharded_sq_norm(grads: Iterable[torch.Tensor], group: Optional["dist.Process
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         sq += torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32) ** 2
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sq, group=group)
+    if collectives.is_distributed():
+        collectives.all_reduce(sq, group=group)
     return sq
 
 
@@ -55,7 +57,7 @@ def nonfinite_gradients(
         if g is not None and not bool(torch.isfinite(g).all()):
             flags[rank, i] = 1.0
     if dist_on and world > 1:
-        dist.all_reduce(flags, group=group)
+        collectives.all_reduce(flags, group=group)
     return [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
 
 

@@ -93,7 +93,8 @@ class ShardOptimizer:
 
     Low-precision shards (fp16/bf16) keep an fp32 master copy and fp32 moments, as
     mixed-precision optimizers do; the shard is refreshed from the master after each
-    update.
+    update, and the master from the shard wherever the shard was written since (loaded
+    weights, a weights-only checkpoint, a reset optimizer): :meth:`begin_step`.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], kind: str) -> None:
@@ -119,9 +120,24 @@ class ShardOptimizer:
 
     # ------------------------------------------------------------------ stepping
     def begin_step(self, hp: HyperParams) -> None:
-        """Start optimizer step ``step_count + 1`` with these hyper-parameters."""
+        """Start optimizer step ``step_count + 1`` with these hyper-parameters (after
+        taking into the fp32 masters any shard element written since the last update)."""
+        self.refresh_masters()
         self.step_count += 1
         self._hp = hp
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Where a low-precision shard no longer equals its master rounded to the shard's
+        dtype, the shard was written outside this optimizer: the master takes its value.
+        Elements this optimizer wrote last keep their fp32 master (no rounding)."""
+        for p, st in zip(self.params, self.state):
+            master = st.get("master")
+            if master is None:
+                continue
+            stale = master.to(p.dtype) != p.data
+            if bool(stale.any()):
+                master.copy_(torch.where(stale, p.data.float(), master))
 
     @torch.no_grad()
     def apply(self, rows: Optional[Sequence[Optional[torch.Tensor]]] = None, grad_scale: float = 1.0,

@@ -10,6 +10,16 @@ The all-reduces run on a process group of their own: the embedding AlltoAlls of 
 autograd thread use the default group, and two threads sharing one group would
 interleave their collectives in timing-dependent order.
 
+Where the order *across* groups matters too -- NCCL, whose kernels of different
+communicators can wait on each other on the device -- there is no thread: the pieces are
+issued from the autograd thread itself, inside the gradient hooks, as soon as the
+list's next piece is ready (and the exchange gate open). The hooks fire in the graph's
+order, the same on every rank, so every rank issues every collective (dense pieces and
+embedding exchanges alike) in one order. Credits wait for the oldest piece in flight to
+*finish* (a CUDA event there; ``work.wait()`` on NCCL does not block the host), and
+trace times come from the same events (from the work's future on gloo). No lock is
+held across a collective.
+
 Average convention: the sum over ranks divided by the world size (what DDP and stock
 DeepSpeed leave in ``.grad``). Framework-agnostic: the caller says when a backward
 is the one to reduce (``active``) and calls :meth:`finish` before the optimizer step.
@@ -23,6 +33,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.schedule.plan import Schedule
@@ -32,36 +43,74 @@ from embrace_fairseq.core.trace import Tracer
 class ExchangeGate:
     """The embedding exchange as the first item of the schedule: while a table's gradient
     exchange is in flight (entered when its rows' gradient arrives in backward, left when
-    the shard gradient is accumulated), the communication thread issues no new dense
-    piece, so the exchange the next forward needs first does not queue behind them.
-    Pieces already issued complete; the per-group issue order is unchanged."""
+    the shard gradient is accumulated), no new dense piece is issued, so the exchange
+    the next forward needs first does not queue behind them. Pieces already issued
+    complete; the per-group issue order is unchanged. The gate's lock guards only its
+    counters and is never held across a collective: a piece being issued holds an
+    *issue slot* (a counter), and an exchange that starts meanwhile waits on the
+    condition until the (asynchronous) issue returned."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy = 0
+        self._issuing = 0
+        self._listeners: List[Callable[[], None]] = []
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._busy > 0
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (outside the lock) each time the gate opens."""
+        self._listeners.append(fn)
 
     def enter(self) -> None:
         with self._cond:
+            while self._issuing:
+                self._cond.wait()
             self._busy += 1
 
     def leave(self) -> None:
         with self._cond:
             if self._busy > 0:
                 self._busy -= 1
+            opened = self._busy == 0
             self._cond.notify_all()
+        if opened:
+            self._opened()
 
     def release_all(self) -> None:
         with self._cond:
             self._busy = 0
             self._cond.notify_all()
+        self._opened()
 
-    @contextlib.contextmanager
-    def idle(self):
-        """Hold the gate closed to exchanges while issuing one piece."""
+    def _opened(self) -> None:
+        for fn in list(self._listeners):
+            fn()
+
+    def wait_idle(self) -> None:
+        """Block until no exchange is in flight (the lock is released on return)."""
         with self._cond:
             while self._busy:
                 self._cond.wait()
+
+    @contextlib.contextmanager
+    def idle(self):
+        """Wait until no exchange is in flight, then run the body (the issue of a piece)
+        in an issue slot: the lock is released, an exchange starting meanwhile waits for
+        the body to return."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            self._issuing += 1
+        try:
             yield
+        finally:
+            with self._cond:
+                self._issuing -= 1
+                self._cond.notify_all()
 
 
 class ScheduledAllReduce:
@@ -77,6 +126,8 @@ class ScheduledAllReduce:
             (gradient accumulation reduces only at the boundary).
         ledger, tracer: byte accounting and timeline (optional).
         gate: an :class:`ExchangeGate`: no piece is issued while an embedding exchange is in flight.
+        single_thread: issue from the autograd thread (no communication thread). ``None``
+            (default): where the group's backend needs one issue order across groups (NCCL).
     """
 
     def __init__(
@@ -90,24 +141,30 @@ class ScheduledAllReduce:
         ledger: Optional[CommLedger] = None,
         tracer: Optional[Tracer] = None,
         gate: Optional[ExchangeGate] = None,
+        single_thread: Optional[bool] = None,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
         self.params = list(params)
         self.schedule = schedule
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.world_size = collectives.world_size(group)
+        if single_thread is None:
+            single_thread = collectives.is_distributed() and collectives.issues_from_one_thread(group)
+        self.single_thread = bool(single_thread)
         self.overlap = overlap
         self.active = active
         self.ledgers = [global_ledger()] + ([ledger] if ledger is not None and ledger is not global_ledger() else [])
         self.tracer = tracer or Tracer(enabled=False)
         self.gate = gate
+        if gate is not None and self.single_thread:
+            gate.add_listener(self._gate_opened)
         self._bucket_of = {}
         for b in schedule.buckets:
             for t in b.tensors:
                 self._bucket_of[t] = b.index
         self._flat: List[Optional[torch.Tensor]] = [None] * len(schedule.buckets)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards readiness only; never held across a collective
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
 
@@ -119,6 +176,9 @@ class ScheduledAllReduce:
         self._events = [threading.Event() for _ in self.schedule.buckets]
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._next = 0  # single-thread mode: index of the next piece of the issue list
+        self._inflight: List[tuple] = []  # (pending, piece), oldest first
+        self._flattened: set = set()
 
     def remove(self) -> None:
         """Detach the hooks (the object is unusable afterwards)."""
@@ -136,12 +196,14 @@ class ScheduledAllReduce:
                 # runs once the whole backward is done: covers parameters without a gradient
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._mark(i)
+            if self.single_thread and self.overlap:
+                self._issue_ready()
 
         return hook
 
     def _begin(self) -> None:
         self._started = True
-        if self.overlap:
+        if self.overlap and not self.single_thread:
             self._start_thread()
 
     def _start_thread(self) -> None:
@@ -161,7 +223,11 @@ class ScheduledAllReduce:
 
     def _end_of_backward(self) -> None:
         self._mark_all()
-        if self.overlap:
+        if not self.overlap:
+            return
+        if self.single_thread:
+            self._issue_ready()
+        else:
             self._start_thread()
 
     def _mark_all(self) -> None:
@@ -183,38 +249,62 @@ class ScheduledAllReduce:
         torch.cat(grads, out=flat)
         return flat
 
+    def _issue(self, piece) -> None:
+        """Issue one piece (its bucket is complete), after a credit is free."""
+        self._make_room(piece)
+        self._launch(piece)
+
+    def _make_room(self, piece) -> None:
+        if piece.bucket not in self._flattened:
+            self._flatten(piece.bucket)
+            self._flattened.add(piece.bucket)
+        while len(self._inflight) >= self.schedule.options.max_in_flight:
+            self._complete(self._inflight.pop(0))
+
+    def _launch(self, piece) -> None:
+        view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
+        self._inflight.append((collectives.all_reduce_async(view, self.group), piece))
+
+    def _gate_opened(self) -> None:
+        if self._started and self.overlap:
+            self._issue_ready()
+
+    def _issue_ready(self, force: bool = False) -> None:
+        """Single-thread mode: issue the list's next pieces while their buckets are
+        complete (and, unless ``force``, no exchange is in flight)."""
+        order = self.schedule.issue_order
+        while self._next < len(order):
+            if not force and self.gate is not None and self.gate.busy:
+                return  # the gate calls back when it opens
+            piece = order[self._next]
+            if not self._events[piece.bucket].is_set():
+                return
+            self._next += 1
+            self._issue(piece)
+
     def _run(self) -> None:
         try:
-            pending: List[tuple] = []  # (work, piece, start_us), FIFO
-            flattened = set()
-            credit = self.schedule.options.max_in_flight
             for piece in self.schedule.issue_order:
                 self._events[piece.bucket].wait()
-                if piece.bucket not in flattened:
-                    self._flatten(piece.bucket)
-                    flattened.add(piece.bucket)
-                while len(pending) >= credit:
-                    self._complete(pending.pop(0))
-                view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
+                self._make_room(piece)  # credit waits happen outside the issue slot
                 with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
-                    start = self.tracer.now()
-                    work = dist.all_reduce(view, group=self.group, async_op=True)
-                pending.append((work, piece, start))
-            while pending:
-                self._complete(pending.pop(0))
+                    self._launch(piece)  # the gate's lock is not held here
+            while self._inflight:
+                self._complete(self._inflight.pop(0))
         except BaseException as exc:  # surfaced by finish() on the training thread
             self._error = exc
 
     def _complete(self, item: tuple) -> None:
-        work, piece, start = item
-        work.wait()
-        end = self.tracer.now()
+        pending, piece = item
+        pending.synchronize()  # finished, not only ordered: a CUDA event on GPUs
+        pending.wait()
         esize = self._flat[piece.bucket].element_size()
         # ring all-reduce: each rank sends and receives 2 (N-1)/N of the payload
         nbytes = 2 * (self.world_size - 1) * piece.numel * esize // max(1, self.world_size)
         for ledger in self.ledgers:
             ledger.record(K.DENSE_GRAD, nbytes, nbytes)
-        self.tracer.collective(K.DENSE_GRAD, piece.nbytes, start, end, bucket=piece.bucket, piece=piece.index)
+        self.tracer.collective(K.DENSE_GRAD, piece.nbytes, pending.issued_us, pending.end_us(), bucket=piece.bucket,
+                               piece=piece.index)
 
     # ------------------------------------------------------------------ completion
     @torch.no_grad()
@@ -228,20 +318,28 @@ class ScheduledAllReduce:
         if not self._started:
             self._started = True
         self._mark_all()
-        self._start_thread()
-        self._thread.join()
-        error = self._error
         try:
+            if self.single_thread:
+                self._issue_ready(force=True)
+                while self._inflight:
+                    self._complete(self._inflight.pop(0))
+            else:
+                self._start_thread()
+                self._thread.join()
+            error = self._error
             if error is not None:
                 raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
-            for bucket in self.schedule.buckets:
-                flat = self._flat[bucket.index]
-                if self.world_size > 1:
-                    flat.div_(self.world_size)
-                offset = 0
-                for t in bucket.tensors:
-                    g = self.params[t].grad
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            self._average()
         finally:
             self._reset()
+
+    def _average(self) -> None:
+        for bucket in self.schedule.buckets:
+            flat = self._flat[bucket.index]
+            if self.world_size > 1:
+                flat.div_(self.world_size)
+            offset = 0
+            for t in bucket.tensors:
+                g = self.params[t].grad
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()

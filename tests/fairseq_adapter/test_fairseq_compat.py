@@ -233,7 +233,11 @@ def test_c10d_ddp_accepts_cpu_module_with_device_ids(tmp_path: Path) -> None:
 
 
 def test_checkpoint_globals_load_with_weights_only() -> None:
+    """fairseq's checkpoint classes load under weights_only=True while a checkpoint is
+    read (scoped to that load), and are not allowed process-wide."""
     import numpy as np
+
+    from embrace_fairseq.guards import safe_load
 
     compat.apply()
     state = {
@@ -245,10 +249,14 @@ def test_checkpoint_globals_load_with_weights_only() -> None:
     }
     buf = io.BytesIO()
     torch.save(state, buf)
-    buf.seek(0)
-    back = torch.load(buf)  # torch's default: weights_only=True
+    with safe_load.allowed(compat.fairseq_checkpoint_globals()):
+        buf.seek(0)
+        back = torch.load(buf)  # torch's default: weights_only=True
     assert back["args"].arch == "transformer" and back["cfg"]["model"].encoder_layers == 1
     assert back["extra_state"]["metrics"]["valid"][0][3]["val"].tolist() == [7, 0, 0, 0]
+    buf.seek(0)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(buf)  # outside a checkpoint load nothing extra is allowed
 
 
 # --------------------------------------------------------------------------- slow

@@ -111,7 +111,10 @@ def test_checkpoint_resume_reshard_and_tools(mt_data, tmp_path):
     extra = ["--share-all-embeddings", "--save-interval-updates", "10"]
     full = _train(mt_data, "embrace_transformer", tmp_path / "full", 2, extra)
     ckpt = tmp_path / "full" / "checkpoint_last.pt"
-    state = torch.load(ckpt, map_location="cpu")  # weights_only default: must load as is
+    from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
+    from embrace_fairseq.guards.safe_load import load as safe_load
+
+    state = safe_load(str(ckpt), fairseq_checkpoint_globals(), map_location="cpu")  # weights_only=True
     vocab = 56  # fairseq pads the dictionary to a multiple of 8
     assert state["model"]["encoder.embed_tokens.weight"].shape == (vocab, 16)
     moments = [v for v in state["last_optimizer_state"]["state"].values() if "exp_avg" in v]

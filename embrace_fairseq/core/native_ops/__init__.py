@@ -224,11 +224,22 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor, use: str = "owner") ->
 
 
 # --------------------------------------------------------------------- scatter-add
+#: Row dtypes whose sums are accumulated in float32 and rounded once (``at::opmath_type``).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def scatter_add_rows_reference(
     src: torch.Tensor, index: torch.Tensor, num_rows: int, scale: float = 1.0, zero_row: Optional[int] = None
 ) -> torch.Tensor:
-    out = src.new_zeros(num_rows, src.shape[1])
-    out.index_add_(0, index, src)
+    if src.dtype in LOW_PRECISION:
+        # half-precision rows are summed in fp32 and rounded once, on every device (CUDA's
+        # index_add_ would accumulate in half with atomics; stock embeddings sum in fp32)
+        acc = torch.zeros(num_rows, src.shape[1], dtype=torch.float32, device=src.device)
+        acc.index_add_(0, index, src.float())
+        out = acc.to(src.dtype)
+    else:
+        out = src.new_zeros(num_rows, src.shape[1])
+        out.index_add_(0, index, src)
     if scale != 1.0:
         out.mul_(scale)
     if zero_row is not None:
@@ -276,8 +287,11 @@ class _ExpandRows(torch.autograd.Function):
 
 def expand_rows(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``rows.index_select(0, inverse)`` whose backward sums gradient rows per row of
-    ``rows``; the plain torch op unless a native gather or scatter-add is in use."""
-    if use_native("gather_rows.expand", rows.device) or use_native("scatter_add_rows.per_unique", rows.device):
+    ``rows``; the plain torch op unless a native gather or scatter-add is in use, or
+    the rows are fp16/bf16 (whose gradient rows are then summed in fp32, not by the
+    half-precision ``index_add_`` of ``index_select``'s backward)."""
+    if (rows.dtype in LOW_PRECISION or use_native("gather_rows.expand", rows.device)
+            or use_native("scatter_add_rows.per_unique", rows.device)):
         return _ExpandRows.apply(rows, inverse)
     return rows.index_select(0, inverse)
 

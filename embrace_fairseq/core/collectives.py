@@ -1,0 +1,329 @@
+"""Every collective the package issues, on the device its process group needs.
+
+One module, in the style of Megatron's ``mappings.py``: small public functions, one per
+collective; where a collective is part of autograd, a private ``autograd.Function``
+with a public wrapper (:func:`gather_rows_from_group`). No other module of the package
+calls a ``torch.distributed`` collective (``tests/core/test_collective_discipline.py``).
+
+Placement (:func:`placement`, a pure function of the backend's name): an NCCL group
+takes tensors on the current CUDA device only, so a CPU tensor (a few agreement
+integers, a digest, a validation total) is staged there and the result copied back;
+gloo takes CPU or CUDA tensors as given; any other backend (``mpi``, ``ucc``, a
+per-device backend such as ``cpu:gloo,cuda:nccl``) gets them as given.
+
+Communicators are created eagerly: :func:`new_group` warms a new group up with a
+one-element all-reduce, so no communicator is set up in the middle of a step (NCCL
+creates them lazily at the first collective otherwise).
+
+Asynchronous collectives return a :class:`Pending`. Its completion and timing come
+from CUDA events on CUDA devices (``work.wait()`` on NCCL only orders streams: it does
+not block the host) and from the work's future on gloo.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+Group = Optional["dist.ProcessGroup"]
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def _now_us() -> float:
+    return time.perf_counter() * 1e6
+
+
+# --------------------------------------------------------------------------- placement
+def placement(backend: str, device: torch.device, cuda_index: Optional[int]) -> torch.device:
+    """Where a tensor on ``device`` must be for a collective on a ``backend`` group.
+
+    ``cuda_index`` is the current CUDA device (None when there is none). Pure: the
+    rule every collective here applies.
+
+    * ``nccl``: the current CUDA device, whatever ``device`` is (an error without one);
+    * ``gloo``: CPU or CUDA as given (anything else goes to the CPU);
+    * other backends, and per-device backends (``cpu:gloo,cuda:nccl``): as given.
+    """
+    name = str(backend).lower()
+    device = torch.device(device)
+    if "," in name or ":" in name:
+        return device  # torch picks the backend by the tensor's device
+    if name == "nccl":
+        if cuda_index is None:
+            raise RuntimeError("an NCCL process group needs a CUDA device, and none is available "
+                               "(use gloo on CPU machines, or call torch.cuda.set_device first)")
+        return torch.device("cuda", cuda_index)
+    if name == "gloo":
+        return device if device.type in ("cpu", "cuda") else torch.device("cpu")
+    return device
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def backend_name(group: Group = None) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def world_size(group: Group = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: Group = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def device_for(group: Group = None, device: Any = "cpu") -> torch.device:
+    """Where a tensor on ``device`` must be for a collective on ``group``."""
+    name = backend_name(group)
+    cuda = torch.cuda.current_device() if name == "nccl" and torch.cuda.is_available() else None
+    return placement(name, torch.device(device), cuda)
+
+
+def issues_from_one_thread(group: Group = None) -> bool:
+    """Whether collectives of ``group`` must be issued from one thread, in one order on
+    every rank: NCCL kernels of different communicators may wait on each other on the
+    device, so their relative order matters (gloo's groups progress independently)."""
+    return backend_name(group) == "nccl"
+
+
+def _placed(t: torch.Tensor, group: Group) -> Tuple[torch.Tensor, bool]:
+    d = device_for(group, t.device)
+    if t.device == d:
+        return t, False
+    return t.to(d), True
+
+
+def _op(op: str) -> Any:
+    return getattr(dist.ReduceOp, _REDUCE_OPS[op])
+
+
+# --------------------------------------------------------------------------- groups
+def new_group(ranks: Optional[Sequence[int]] = None) -> Group:
+    """A new process group over ``ranks`` (all by default), created and warmed up now.
+    Collective over the default group: every rank calls it in the same order."""
+    if not is_distributed():
+        return None
+    group = dist.new_group(ranks=list(range(dist.get_world_size())) if ranks is None else list(ranks))
+    warm_up(group)
+    return group
+
+
+def warm_up(group: Group = None) -> None:
+    """Create the communicator of ``group`` now (a one-element all-reduce). Collective."""
+    if is_distributed() and (group is None or group != dist.GroupMember.NON_GROUP_MEMBER):
+        all_reduce(torch.zeros(1), group=group)
+
+
+# --------------------------------------------------------------------------- synchronous
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` (``op``: sum, max, min, product). Returns it."""
+    placed, moved = _placed(tensor, group)
+    dist.all_reduce(placed, op=_op(op), group=group)
+    if moved:
+        tensor.copy_(placed)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: Group = None) -> List[torch.Tensor]:
+    """Every rank's ``tensor`` (equal shapes on every rank), on ``tensor``'s device."""
+    placed, moved = _placed(tensor.contiguous(), group)
+    parts = [torch.empty_like(placed) for _ in range(world_size(group))]
+    dist.all_gather(parts, placed, group=group)
+    return [p.to(tensor.device) for p in parts] if moved else parts
+
+
+def all_gather_object(obj: Any, group: Group = None) -> List[Any]:
+    """Every rank's picklable ``obj`` (torch stages it on the group's device)."""
+    out: List[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None, group: Group = None) -> torch.Tensor:
+    """AlltoAll of row blocks (uneven splits allowed) into ``output``. Returns it."""
+    out_p, moved = _placed(output, group)
+    in_p, _ = _placed(input.contiguous(), group)
+    dist.all_to_all_single(out_p, in_p, output_split_sizes, input_split_sizes, group=group)
+    if moved:
+        output.copy_(out_p)
+    return output
+
+
+def barrier(group: Group = None) -> None:
+    """Every rank of ``group`` reaches this point (NCCL: on the current device)."""
+    if backend_name(group) == "nccl" and torch.cuda.is_available():
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
+
+
+# --------------------------------------------------------------------------- asynchronous
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+class Pending:
+    """An asynchronous collective in flight.
+
+    :meth:`wait` makes its result usable where the caller runs (gloo: blocks the host;
+    NCCL: orders the current stream after it, as torch does) and returns it;
+    :meth:`synchronize` blocks the host until the collective has *finished* (a CUDA
+    event on CUDA devices), which is what a credit needs; :meth:`end_us` is its
+    completion time on :func:`time.perf_counter`'s clock (microseconds).
+    """
+
+    def __init__(self, launch: Callable[[], Any], device: torch.device,
+                 finish: Optional[Callable[[], Any]] = None) -> None:
+        self.device = device
+        self._finish = finish
+        self._result: Any = None
+        self._waited = False
+        self._end: Optional[float] = None
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start_ev = torch.cuda.Event(enable_timing=True)
+            self._end_ev = torch.cuda.Event(enable_timing=True)
+            self._start_ev.record()
+        self.issued_us = _now_us()
+        self._work = launch()
+        if self._cuda:
+            side = _side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self._work.wait()  # the side stream waits for the collective's own stream
+                self._end_ev.record(side)
+        else:
+            self._work.get_future().then(self._mark_end)
+
+    def _mark_end(self, _fut: Any) -> None:
+        self._end = _now_us()
+
+    def wait(self) -> Any:
+        if not self._waited:
+            self._work.wait()
+            self._waited = True
+            if self._finish is not None:
+                self._result = self._finish()
+        return self._result
+
+    def synchronize(self) -> None:
+        """Block the host until the collective has finished."""
+        if self._cuda:
+            self._end_ev.synchronize()
+        else:
+            self._work.wait()
+
+    def done(self) -> bool:
+        return bool(self._end_ev.query()) if self._cuda else bool(self._work.is_completed())
+
+    def end_us(self) -> float:
+        """When the collective finished (waits for it)."""
+        self.synchronize()
+        if self._cuda:
+            return self.issued_us + self._start_ev.elapsed_time(self._end_ev) * 1000.0
+        for _ in range(100):  # the future's callback runs right after the waiters wake
+            if self._end is not None:
+                return self._end
+            time.sleep(0.0001)
+        return _now_us()
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Group = None) -> Pending:
+    """Sum ``tensor`` over ``group`` in place, asynchronously."""
+    placed, moved = _placed(tensor, group)
+
+    def finish() -> torch.Tensor:
+        if moved:
+            tensor.copy_(placed)
+        return tensor
+
+    return Pending(lambda: dist.all_reduce(placed, group=group, async_op=True), placed.device, finish)
+
+
+def all_gather_async(tensor: torch.Tensor, group: Group = None) -> Pending:
+    """Every rank's ``tensor`` (equal shapes); :meth:`Pending.wait` returns the list."""
+    placed, moved = _placed(tensor.contiguous(), group)
+    parts = [torch.empty_like(placed) for _ in range(world_size(group))]
+
+    def finish() -> List[torch.Tensor]:
+        return [p.to(tensor.device) for p in parts] if moved else parts
+
+    return Pending(lambda: dist.all_gather(parts, placed, group=group, async_op=True), placed.device, finish)
+
+
+def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]],
+                            input_split_sizes: Optional[List[int]], group: Group = None) -> Pending:
+    """:func:`all_to_all_single`, asynchronously; :meth:`Pending.wait` returns ``output``."""
+    out_p, moved = _placed(output, group)
+    in_p, _ = _placed(input.contiguous(), group)
+
+    def finish() -> torch.Tensor:
+        if moved:
+            output.copy_(out_p)
+        return output
+
+    def launch() -> Any:
+        return dist.all_to_all_single(out_p, in_p, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=True)
+
+    return Pending(launch, out_p.device, finish)
+
+
+# --------------------------------------------------------------------------- rows of a table
+def all_gather_rows(shard: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
+    """The full table from every rank's rows (``sizes[r]`` rows on rank ``r``, uneven
+    allowed: shards are padded to the largest, as gloo's all-gather needs)."""
+    rows = max(sizes)
+    padded = shard.new_zeros(rows, *shard.shape[1:])
+    padded[: shard.shape[0]] = shard
+    parts = all_gather(padded, group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+
+def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
+    """Sum a full-table tensor over ranks and keep this rank's ``sizes[rank]`` rows.
+
+    gloo has no reduce-scatter; an AlltoAll of row blocks and a local sum move the
+    same (N-1)/N of the table a ring reduce-scatter would."""
+    world, me = len(sizes), rank(group)
+    mine = sizes[me]
+    recv = full.new_empty(world * mine, *full.shape[1:])
+    all_to_all_single(recv, full.contiguous(), [mine] * world, list(sizes), group)
+    return recv.view(world, mine, *full.shape[1:]).sum(0)
+
+
+class _GatherRowsFromGroup(torch.autograd.Function):
+    """Shard -> full table; backward: the table gradient summed over ranks, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, sizes: Sequence[int], group: Group, scale: float,  # type: ignore[override]
+                on_backward: Optional[Callable[[torch.Tensor], None]]):
+        ctx.sizes, ctx.group, ctx.scale, ctx.on_backward = list(sizes), group, scale, on_backward
+        return all_gather_rows(shard.detach(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
+        if ctx.on_backward is not None:
+            ctx.on_backward(grad_full)
+        grad = reduce_scatter_rows(grad_full, ctx.sizes, ctx.group)
+        if ctx.scale != 1.0:
+            grad.mul_(ctx.scale)
+        return grad, None, None, None, None
+
+
+def gather_rows_from_group(shard: torch.Tensor, sizes: Sequence[int], group: Group = None, scale: float = 1.0,
+                           on_backward: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+    """Differentiable :func:`all_gather_rows`: the backward reduce-scatters the table
+    gradient to the rows' owners, times ``scale`` (``on_backward`` sees it first)."""
+    return _GatherRowsFromGroup.apply(shard, list(sizes), group, float(scale), on_backward)

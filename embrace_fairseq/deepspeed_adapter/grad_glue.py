@@ -1,0 +1,118 @@
+"""The gradient side of the DeepSpeed hook: checks of the engine, ZeRO's global norm
+extended by the shards, clipping over all ranks, and the exchange gate and trace marks
+set on the tables. Each function takes the hook (or the engine) it works for."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param, sharded_embeddings
+from embrace_fairseq.core.trace import TracingLedger
+from embrace_fairseq.deepspeed_adapter.config import EmbraceConfigError
+from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
+
+
+def check_engine(engine: Any) -> None:
+    """Refuse engines the hook cannot take over (pipeline, ZeRO > 1, bf16 without ZeRO,
+    tables over another world)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        raise EmbraceConfigError("pipeline parallel engines reduce gradients themselves; EmbRace supports plain data parallelism")
+    if engine.zero_optimization_stage() > 1:
+        raise EmbraceConfigError(
+            f"ZeRO stage {engine.zero_optimization_stage()} is not supported with sharded tables; use stage 0 or 1"
+        )
+    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0:
+        raise EmbraceConfigError("bf16 needs ZeRO stage 1 with the EmbRace hook (see config.check_supported)")
+    world = engine.dp_world_size
+    for emb in sharded_embeddings(engine.module):
+        if emb.world_size != world:
+            raise EmbraceConfigError(
+                f"a ShardedEmbedding spans {emb.world_size} ranks but the data-parallel world is {world}: "
+                "build the model after torch.distributed is initialised, over the default group"
+            )
+
+
+def extend_zero_norm(hook: Any) -> None:
+    """ZeRO's global norm covers the shards too; remember its clip/unscale factor."""
+    zopt = hook.engine.optimizer
+    norm, unscale = zopt.scaled_global_norm, zopt.unscale_and_clip_grads
+    tables = hook.tables
+
+    def scaled_global_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        dense = norm(*args, **kwargs)
+        shard_sq = sharded_sq_norm([emb.weight.grad for emb in tables if emb.weight.grad is not None])
+        if not torch.is_tensor(dense):
+            dense = torch.tensor(float(dense))
+        if float(dense) < 0:  # DeepSpeed's marker of an invalid (inf/NaN) norm
+            return dense
+        total = combine_norms(dense, shard_sq.to(dense.device))
+        return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0)).to(dense.device)
+
+    def unscale_and_clip_grads(grad_groups_flat: Any, total_norm: Any) -> Any:
+        combined = float(zopt.loss_scale)
+        if zopt.clip_grad > 0.0:
+            clip = ((float(total_norm) / combined) + 1e-6) / zopt.clip_grad
+            combined = max(clip, 1.0) * combined
+        hook._last_clip_scale = 1.0 / combined
+        return unscale(grad_groups_flat, total_norm)
+
+    zopt.scaled_global_norm = scaled_global_norm
+    zopt.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+@torch.no_grad()
+def clip_gradients(engine: Any) -> torch.Tensor:
+    """DeepSpeed's clipping formula, with the norm taken over all ranks' shards."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    dense = [p.grad.detach() for p in params if not is_sharded_param(p)]
+    sharded = [p.grad.detach() for p in params if is_sharded_param(p)]
+    dense_sq = sum((torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in dense), torch.zeros(()))
+    total = combine_norms(dense_sq.sqrt(), sharded_sq_norm(sharded))
+    coef = torch.clamp(float(engine.gradient_clipping()) / (total + 1e-6), max=1.0)
+    if params:
+        torch._foreach_mul_([p.grad.detach() for p in params], coef.to(params[0].grad.device))
+    return total
+
+
+def gate_tables(hook: Any) -> None:
+    """Close the gate when a table's looked-up rows get their gradient (the exchange
+    starts), open it when the shard gradient is accumulated (it ended)."""
+    gate = hook.gate
+    assert gate is not None
+
+    def arrived(g: torch.Tensor) -> torch.Tensor:
+        if hook._reducing_backward():
+            gate.enter()
+            torch.autograd.Variable._execution_engine.queue_callback(gate.release_all)
+        return g
+
+    def post(module: ShardedEmbedding, inputs: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(arrived)
+
+    for emb in hook.tables:
+        if emb.is_sharded:
+            emb.register_forward_hook(post)
+            emb.weight.register_post_accumulate_grad_hook(lambda p: gate.leave())
+
+
+def trace_tables(hook: Any) -> None:
+    if not hook.tracer.enabled:
+        return
+    for emb in hook.tables:
+        ledger = TracingLedger(hook.tracer, inner=emb.ledger)
+        emb.ledger = ledger
+
+        def pre(module: ShardedEmbedding, inputs: Any, ledger: TracingLedger = ledger) -> None:
+            ledger.mark()
+
+        def post(module: ShardedEmbedding, inputs: Any, output: Any, ledger: TracingLedger = ledger) -> None:
+            # the gradient of the looked-up rows arriving starts the backward exchange
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda g: (ledger.mark(), g)[1])
+
+        emb.register_forward_pre_hook(pre)
+        emb.register_forward_hook(post)

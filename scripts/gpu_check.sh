@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One command for what one GPU can show of EmbRace's GPU paths (see scripts/gpu_check.py):
+# an NCCL world of one with the exchange forced on, fp16/bf16 EmbRace vs stock on fairseq and
+# DeepSpeed, the CUDA native kernels bit-exact against the CPU reference, a memory-efficient
+# fp16 resume. Writes gpu_check.json (and a log per check) to --out DIR, else $OUT, else
+# results/gpu_check. Under 8 minutes on one H200.
+#
+#   scripts/gpu_check.sh                 # on a GPU machine
+#   scripts/gpu_check.sh --cpu-smoke     # anywhere: the CPU-runnable parts, the rest planned
+#
+# PYTHON selects the interpreter (default: .venv/bin/python if present, else python3).
+# EMBRACE_GPU_CHECK_BUILD=0 skips building the CUDA kernels of the native extension.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+smoke=0
+for a in "$@"; do [ "$a" = "--cpu-smoke" ] && smoke=1; done
+if [ "$smoke" = 0 ] && [ "${EMBRACE_GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null 2>&1; then
+  # the native check needs the extension with its CUDA kernels; build it in place if missing
+  if ! "$PY" -c "import embrace_fairseq._native as m, sys; sys.exit(0 if m.WITH_CUDA else 1)" 2>/dev/null; then
+    echo "building the native extension with CUDA kernels (up to 150 s)"
+    timeout 150 "$PY" setup.py build_ext --inplace >/tmp/embrace_native_build.log 2>&1 \
+      || echo "native build failed (see /tmp/embrace_native_build.log): the native check will be skipped"
+  fi
+fi
+exec "$PY" scripts/gpu_check.py "$@"

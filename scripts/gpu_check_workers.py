@@ -1,0 +1,185 @@
+"""Bodies of the ``scripts/gpu_check.py`` checks that run in this process: the exchange on a
+world-of-one group (NCCL on GPU, gloo with ``--cpu-smoke``) and the native kernels. The
+training checks are in :mod:`gpu_check_train`."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import torch
+import torch.nn.functional as F
+
+
+def run_worker(name: str, out: Path, cpu: bool) -> Dict[str, Any]:
+    import gpu_check_train as T
+
+    workers: Dict[str, Callable[[Path, bool], Dict[str, Any]]] = {
+        "exchange": exchange, "native": native, "fairseq": T.fairseq_vs_stock,
+        "fairseq_resume": T.fairseq_resume, "deepspeed": T.deepspeed_vs_stock}
+    if not cpu and not torch.cuda.is_available():
+        return {"status": "fail", "detail": "no CUDA device: run with --cpu-smoke on machines without a GPU"}
+    try:
+        return workers[name](out, cpu)
+    except Exception as exc:  # reported in the JSON, with the log beside it
+        import traceback
+
+        return {"status": "fail", "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_world_of_one(cpu: bool) -> torch.device:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    if cpu:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        return torch.device("cpu")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    return torch.device("cuda", 0)
+
+
+def _close(d: Dict[str, Any], key: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    err = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+    d[key] = err
+    if not err <= tol:
+        raise AssertionError(f"{key}: difference {err} above {tol}")
+
+
+def _lookup(dtype: torch.dtype, device: torch.device, d: Dict[str, Any]) -> None:
+    """Forward and backward through the exchange vs F.embedding (fp32 gradient sums)."""
+    from embrace_fairseq import ShardedEmbedding
+    from embrace_fairseq.optim.grad_norm import nonfinite_gradients, sharded_sq_norm
+
+    torch.manual_seed(0)
+    emb = ShardedEmbedding(1000, 64, padding_idx=1, dtype=dtype, device=device)
+    assert emb.is_sharded, "EMBRACE_FORCE_EXCHANGE=1 must put a world of one on the exchange"
+    ids = torch.randint(0, 1000, (32, 40), device=device)
+    ids[0, :5] = 1
+    ref_w = emb.weight.detach().float().clone().requires_grad_()
+    out = emb(ids)
+    ref = F.embedding(ids, ref_w, padding_idx=1)
+    _close(d, f"forward_{dtype}", out, ref, 0.0)
+    coef = torch.randn(*ids.shape, 64, device=device)
+    (out.float() * coef).sum().backward()
+    (ref * coef).sum().backward()
+    tol = 0.0 if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 3e-3) * float(ref_w.grad.abs().max())
+    _close(d, f"grad_{dtype}", emb.weight.grad, ref_w.grad, max(tol, 1e-5))
+    norm = sharded_sq_norm([emb.weight.grad])
+    assert norm.device == emb.weight.device and not nonfinite_gradients([("w", emb.weight.grad)])
+    full = emb.gathered_weight()
+    (full.float() * 2).sum().backward()
+    _close(d, f"full_table_{dtype}", emb.full_weight(), emb.weight, 0.0)
+
+
+def _guards(device: torch.device, d: Dict[str, Any]) -> None:
+    from embrace_fairseq.core.agreement import check_agreement
+    from embrace_fairseq.guards.replica_check import check_replicas_agree
+
+    module = torch.nn.Linear(4, 4).to(device)
+    check_agreement({"a": 1, "b": 2}, "the check", "")  # CPU integers on the group's device
+    d["replica_digests"] = len(check_replicas_agree(module))
+
+
+def _relaxed(device: torch.device, d: Dict[str, Any]) -> None:
+    """One relaxed step (deferred rows on their own group) equals a synchronous one."""
+    from embrace_fairseq import ShardedEmbedding
+    from embrace_fairseq.core import collectives
+    from embrace_fairseq.core.relaxed_rows import RelaxedRows
+    from embrace_fairseq.optim.shard_optimizer import HyperParams, ShardOptimizer
+
+    weights = []
+    for relaxed in (False, True):
+        torch.manual_seed(1)
+        emb = ShardedEmbedding(500, 16, device=device)
+        opt = ShardOptimizer([emb.weight], "adam")
+        rr = RelaxedRows([emb], collectives.new_group()) if relaxed else None
+        ids = torch.randint(0, 500, (8, 10), device=device)
+        out = emb(ids)
+        if rr is not None:
+            rr.next_batch([[ids[:4]]])  # G: the next batch's ids, on the table's device
+        out.pow(2).sum().backward()
+        if rr is not None:
+            rr.step(opt, HyperParams(lr=0.01))
+            rr.wait()
+        else:
+            opt.step(HyperParams(lr=0.01))
+        weights.append(emb.weight.detach().clone())
+    _close(d, "relaxed_vs_sync", weights[1], weights[0], 1e-6)
+
+
+def _scheduled(device: torch.device, cpu: bool, d: Dict[str, Any]) -> None:
+    from embrace_fairseq.core import collectives
+    from embrace_fairseq.schedule.executor import ScheduledAllReduce
+    from embrace_fairseq.schedule.plan import ScheduleOptions, TensorSpec, build_schedule
+    from embrace_fairseq.core.trace import Tracer
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)).to(device)
+    params = list(model.parameters())
+    specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i) for i, p in enumerate(params)]
+    sched = build_schedule(specs, ScheduleOptions(piece_bytes=8192, bucket_bytes=65536, max_in_flight=2))
+    tracer = Tracer()
+    red = ScheduledAllReduce(params, sched, collectives.new_group(), tracer=tracer)
+    assert red.single_thread == (not cpu), "NCCL issues from the autograd thread"
+    model(torch.randn(16, 64, device=device)).sum().backward()
+    grads = [p.grad.clone() for p in params]
+    red.finish()
+    for g, p in zip(grads, params):
+        _close(d, "allreduce_world1", p.grad, g, 0.0)
+    events = tracer.events("comm")
+    assert events and all(e["dur"] >= 0 for e in events)
+    d["pieces"], d["comm_us"] = len(events), sum(e["dur"] for e in events)
+
+
+def exchange(out: Path, cpu: bool) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    device = init_world_of_one(cpu)
+    d: Dict[str, Any] = {"backend": dist.get_backend(), "device": str(device)}
+    try:
+        dtypes = [torch.float32] if cpu else [torch.float32, torch.float16, torch.bfloat16]
+        for dtype in dtypes:
+            _lookup(dtype, device, d)
+        _guards(device, d)
+        _relaxed(device, d)
+        _scheduled(device, cpu, d)
+    finally:
+        dist.destroy_process_group()
+    return {"status": "pass", "detail": d}
+
+
+def native(out: Path, cpu: bool) -> Dict[str, Any]:
+    """Native kernels (CUDA on GPU, CPU with --cpu-smoke) bit-exact against the reference."""
+    from embrace_fairseq.core import native_ops as N
+
+    mod = N.native_module()
+    if mod is None:
+        return {"status": "skip", "detail": N.native_status()}
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if device.type == "cuda" and not mod.WITH_CUDA:
+        return {"status": "skip", "detail": "the extension was built without CUDA kernels (gpu_check.sh builds them "
+                                            "when nvcc is found)"}
+    d: Dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50_000, (4096,), generator=g)
+    ref = N.dedup_bucket_reference(ids, [0, 12_500, 25_000, 37_500, 50_000])
+    got = N.dedup_bucket_native(ids.to(device), [0, 12_500, 25_000, 37_500, 50_000])
+    assert torch.equal(got.unique_ids.cpu(), ref.unique_ids) and got.send_counts == ref.send_counts
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        table = torch.randn(3000, 64, generator=g).to(dtype)
+        index = torch.randint(0, 3000, (5000,), generator=g)
+        assert torch.equal(N.gather_rows_native(table.to(device), index.to(device)).cpu(),
+                           N.gather_rows_reference(table, index))
+        src = torch.randn(5000, 64, generator=g).to(dtype)
+        want = N.scatter_add_rows_reference(src, index, 3000, 1.0 / 3, 7)
+        have = N.scatter_add_rows_native(src.to(device), index.to(device), 3000, 1.0 / 3, 7).cpu()
+        assert torch.equal(have, want), f"scatter_add_rows {dtype} differs from the CPU reference"
+        d[f"bit_exact_{dtype}"] = True
+    return {"status": "pass", "detail": d}
