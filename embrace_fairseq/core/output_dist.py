@@ -7,7 +7,7 @@ data-parallel average convention.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -18,20 +18,23 @@ from embrace_fairseq.core.input_dist import ExchangePlan
 from embrace_fairseq.core.ledger import off_rank, record_all
 
 
+def _exchange_rows(rows: torch.Tensor, out_counts: List[int], in_counts: List[int], xp: ExchangePlan,
+                   kind: str) -> torch.Tensor:
+    """AlltoAll ``rows`` (``out_counts[r]`` of them to rank r) and return the
+    ``sum(in_counts)`` rows received; record the bytes that cross a link as ``kind``."""
+    rows = rows.contiguous()
+    received = rows.new_empty(sum(in_counts), rows.shape[1])
+    collectives.all_to_all_single(received, rows, in_counts, out_counts, xp.group)
+    row_bytes = rows.shape[1] * rows.element_size()
+    record_all(xp.ledgers, kind, off_rank(out_counts, xp.rank) * row_bytes, off_rank(in_counts, xp.rank) * row_bytes)
+    return received
+
+
 def fetch_rows(shard: torch.Tensor, xp: ExchangePlan) -> torch.Tensor:
     """Owners gather the requested rows and AlltoAll them back: ``(U, D)`` rows."""
-    dim = shard.shape[1]
     out_rows = native_ops.gather_rows(shard, xp.requested_local)
-    rows = shard.new_empty(len(xp.unique_ids), dim)
-    collectives.all_to_all_single(rows, out_rows, xp.send_counts, xp.recv_counts, xp.group)
-    row_bytes = dim * shard.element_size()
-    record_all(
-        xp.ledgers,
-        K.ROWS,
-        off_rank(xp.recv_counts, xp.rank) * row_bytes,
-        off_rank(xp.send_counts, xp.rank) * row_bytes,
-    )
-    return rows
+    # owners send what each requester asked of them (recv_counts), requesters get send_counts
+    return _exchange_rows(out_rows, xp.recv_counts, xp.send_counts, xp, K.ROWS)
 
 
 def push_grad_rows(
@@ -46,17 +49,7 @@ def push_grad_rows(
     ``scale`` turns the sum over ranks into the convention the caller wants
     (``1 / world_size`` gives the data-parallel average that DDP leaves in ``.grad``).
     """
-    dim = grad_unique.shape[1]
-    grad_unique = grad_unique.contiguous()
-    recv = grad_unique.new_empty(len(xp.requested_local), dim)
-    collectives.all_to_all_single(recv, grad_unique, xp.recv_counts, xp.send_counts, xp.group)
-    row_bytes = dim * grad_unique.element_size()
-    record_all(
-        xp.ledgers,
-        K.GRAD_ROWS,
-        off_rank(xp.send_counts, xp.rank) * row_bytes,
-        off_rank(xp.recv_counts, xp.rank) * row_bytes,
-    )
+    recv = _exchange_rows(grad_unique, xp.send_counts, xp.recv_counts, xp, K.GRAD_ROWS)
     # zeros + index_add_ + mul_(scale) + padding row zeroed
     return native_ops.scatter_add_rows(recv, xp.requested_local, shard_rows, scale, padding_local)
 

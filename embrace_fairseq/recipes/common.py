@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from embrace_fairseq.core.process_group import free_port
 
@@ -17,6 +17,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 USER_DIR = REPO_ROOT / "user_dir"
 BIN = Path(sys.executable).parent
 _LOG = re.compile(r"^\S+ \S+ \| [A-Z]+ \| (?P<name>[^|]+?) \| (?P<msg>\{.*\})\s*$")
+
+# The optimisation both recipes use (fairseq's Transformer recipe, scaled down), and the
+# logging and seeding every recipe run shares; each recipe adds its model and batch flags.
+ADAM_INVERSE_SQRT = [
+    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3", "--clip-norm", "1.0",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
+    "--dropout", "0.1",
+]
+RUN_ARGS = ["--seed", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "5",
+            "--no-epoch-checkpoints"]
 
 
 def tool(name: str) -> str:
@@ -148,3 +158,18 @@ def plot_losses(curves: Dict[str, Dict[str, List[tuple]]], path: Path, title: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def start_run(label: str, arch: str, default_arch: str, work_dir: Path, data: Path, skip_data: bool,
+              only: Optional[str] = None) -> Tuple[str, Path]:
+    """(result-file tag, work folder) of a recipe run for ``arch``; prepares the data first
+    (cached after the first run) unless ``skip_data``. ``only`` limits data_prep to one set."""
+    tag = "" if arch == default_arch else f"_{arch}"
+    work = work_dir / arch
+    work.mkdir(parents=True, exist_ok=True)
+    if not skip_data:
+        print(f"[{label}] preparing data (cached after the first run)", flush=True)
+        cmd = [sys.executable, "-m", "embrace_fairseq.data_prep", "--out", str(data)]
+        cmd += (["--only", only] if only else []) + ["-q"]
+        stream(cmd, work / "data_prep.log", on_line=print)
+    return tag, work

@@ -17,17 +17,9 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from embrace_fairseq.recipes.common import (
-    REPO_ROOT,
-    USER_DIR,
-    json_records,
-    torchrun_train_cmd,
-    plot_losses,
-    progress_printer,
-    stream,
-    tool,
-    versions,
-)
+from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, json_records, start_run,
+                                          plot_losses, progress_printer, stream, tool, torchrun_train_cmd,
+                                          versions)
 
 MODEL_ARGS = [
     "--decoder-layers", "2", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "512",
@@ -35,11 +27,7 @@ MODEL_ARGS = [
     "--tokens-per-sample", "128", "--sample-break-mode", "none",
 ]
 TRAIN_ARGS = [
-    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3", "--clip-norm", "1.0",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
-    "--dropout", "0.1", "--weight-decay", "0.01", "--max-tokens", "2048",
-    "--seed", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "5",
-    "--no-epoch-checkpoints",
+    *ADAM_INVERSE_SQRT, "--weight-decay", "0.01", "--max-tokens", "2048", *RUN_ARGS,
 ]
 
 
@@ -54,13 +42,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--skip-data", action="store_true")
     a = p.parse_args(argv)
     t0 = time.time()
-    tag = "" if a.arch == "embrace_transformer_lm" else f"_{a.arch}"
-    work = a.work_dir / a.arch
-    work.mkdir(parents=True, exist_ok=True)
-    if not a.skip_data:
-        print("[lm] preparing data (cached after the first run)", flush=True)
-        stream([sys.executable, "-m", "embrace_fairseq.data_prep", "--out", str(a.data), "--only", "lm", "-q"],
-               work / "data_prep.log", on_line=print)
+    tag, work = start_run("lm", a.arch, "embrace_transformer_lm", a.work_dir, a.data, a.skip_data, only="lm")
     data_bin = a.data / "lm" / "bin"
     save_dir = work / "checkpoints"
     train_cmd = torchrun_train_cmd(a.ranks, data_bin, [

@@ -20,18 +20,9 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from embrace_fairseq.recipes.common import (
-    REPO_ROOT,
-    USER_DIR,
-    child_env,
-    json_records,
-    torchrun_train_cmd,
-    plot_losses,
-    progress_printer,
-    stream,
-    tool,
-    versions,
-)
+from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, child_env,
+                                          json_records, start_run, plot_losses, progress_printer, stream, tool,
+                                          torchrun_train_cmd, versions)
 
 # Sized so that data preparation, training and decoding fit in about 30 minutes on
 # 2 cores: a small Transformer with tied embeddings over the joint vocabulary.
@@ -43,14 +34,10 @@ MODEL_ARGS = [
     "--share-all-embeddings",
 ]
 TRAIN_ARGS = [
-    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
-    "--dropout", "0.1", "--weight-decay", "0.0001", "--clip-norm", "1.0",
+    *ADAM_INVERSE_SQRT, "--weight-decay", "0.0001",
     "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
     "--max-tokens", "2048", "--max-source-positions", "256", "--max-target-positions", "256",
-    "--skip-invalid-size-inputs-valid-test",
-    "--seed", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "5",
-    "--no-epoch-checkpoints",
+    "--skip-invalid-size-inputs-valid-test", *RUN_ARGS,
 ]
 
 
@@ -120,14 +107,7 @@ def _translate(a: argparse.Namespace, data_bin: Path, raw: Path, work: Path, ckp
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parse(argv)
     t0 = time.time()
-    tag = "" if a.arch == "embrace_transformer" else f"_{a.arch}"
-    work = a.work_dir / a.arch
-    work.mkdir(parents=True, exist_ok=True)
-
-    if not a.skip_data:
-        print("[main job] preparing data (cached after the first run)", flush=True)
-        stream([sys.executable, "-m", "embrace_fairseq.data_prep", "--out", str(a.data), "-q"],
-               work / "data_prep.log", on_line=print)
+    tag, work = start_run("main job", a.arch, "embrace_transformer", a.work_dir, a.data, a.skip_data)
     t_data = time.time() - t0
     data_bin = a.data / "deen" / "bin"
     raw = a.data / "deen" / "raw"
