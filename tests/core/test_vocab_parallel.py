@@ -58,3 +58,20 @@ def test_cost_and_choice():
     assert chooser.steps == {GATHER: 1, VOCAB_PARALLEL: 2}
     with pytest.raises(ValueError):
         OutputChooser("sometimes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_per_step_translation_shape(world):
+    """d=256, V=8000, 2048 tokens per rank: bytes sent per rank per step by each path, from
+    the ledger, against the estimate the automatic choice uses."""
+    vocab, dim, tokens = 8000, 256, 2048
+    res = run_ranks(fns.ledger_bytes_per_step, world, vocab, dim, tokens, timeout_s=600)
+    gather = max(sum(r["gather"].values()) for r in res)
+    vp = max(sum(r["vocab-parallel"].values()) for r in res)
+    est = output_bytes(vocab, dim, [tokens] * world)
+    print(f"\n{world} ranks: gather {gather} B ({res[0]['gather']}), vocab-parallel {vp} B ({res[0]['vocab-parallel']}); "
+          f"estimate gather {est.gather_bytes}, vocab-parallel {est.vocab_parallel_bytes}")
+    assert abs(gather - est.gather_bytes) <= 0.01 * est.gather_bytes
+    assert abs(vp - est.vocab_parallel_bytes) <= 0.01 * est.vocab_parallel_bytes
+    assert (vp < gather) == (world == 2)

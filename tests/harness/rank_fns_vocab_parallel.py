@@ -91,3 +91,33 @@ def compare_cases(rank, world, cases):
     if world > 1:
         out.append(all_empty(rank, world, 11, 4))
     return out
+
+
+def ledger_bytes_per_step(rank, world, vocab, dim, tokens, eps=0.1):
+    """Bytes this rank's ledger records for one forward+backward of the output layer by
+    each path, through the real modules: a tied ShardedEmbedding read by
+    TiedShardedProjection (gather) and by the vocab-parallel marker."""
+    from embrace_fairseq.core.ledger import global_ledger
+    from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
+    from embrace_fairseq.core.tied_projection import TiedShardedProjection
+
+    torch.manual_seed(0)
+    table = ShardedEmbedding(vocab, dim)
+    out = {}
+    for mode in ("gather", "vocab-parallel"):
+        layer = TiedShardedProjection(table, mode=mode)
+        layer.enable_vocab_parallel(True)
+        h = torch.randn(tokens, dim, requires_grad=True)
+        y = torch.randint(0, vocab, (tokens,))
+        global_ledger().reset()
+        result = layer(h)
+        if mode == "gather":
+            lprobs = F.log_softmax(result.float(), dim=-1)
+            loss = -lprobs.gather(1, y.unsqueeze(1)).sum()
+        else:
+            res = result.loss(h, y, smoothing=bool(eps), accuracy=False)
+            loss = label_smoothed_loss(res.nll.sum(), res.smooth.sum(), eps, vocab)
+        loss.backward()
+        table.finish_pending()
+        out[mode] = global_ledger().snapshot()["sent"]
+    return out
