@@ -19,6 +19,9 @@ GRAD_ROWS = "grad_rows"  # gradient rows sent to the owners in backward
 TABLE_GATHER = "table_gather"  # full-table all-gather (tied output projection, checkpoints)
 TABLE_GRAD = "table_grad"  # reduce-scatter of a full-table gradient
 DENSE_GRAD = "dense_grad"  # all-reduce of replicated (dense) parameters
+HIDDEN_GATHER = "hidden_gather"  # vocab-parallel output: all-gather of the hidden states
+HIDDEN_GRAD = "hidden_grad"  # vocab-parallel output: reduce-scatter of the hidden states' gradients
+SOFTMAX_STATS = "softmax_stats"  # vocab-parallel output: counts, targets, per-token statistics
 
 
 @dataclass

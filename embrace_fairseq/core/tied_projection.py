@@ -7,9 +7,10 @@ table. Two ways to do that with a row-sharded table (docs/DESIGN.md):
   gradient: the volume of the dense all-reduce DDP spends on it, never worse.
 * ``vocab_parallel``: each rank projects everyone's hidden states onto its own rows
   and the softmax statistics are combined; it exchanges activations instead of
-  weights and wins when all ranks' tokens are fewer than the vocab. It needs a
-  vocab-parallel loss, which fairseq's criterions are not: the cost model reports
-  it, and :class:`TiedShardedProjection` uses the gather path.
+  weights and wins when all ranks' tokens are fewer than the vocab. It needs a loss
+  that takes it (:mod:`.vocab_parallel`, :mod:`.sharded_output`): once enabled,
+  :class:`TiedShardedProjection` returns a marker in training and the loss picks the
+  path per step.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
+from embrace_fairseq.core.sharded_output import VocabParallelOutput
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ def projection_cost(vocab: int, dim: int, tokens_per_rank: int, world: int) -> P
     return ProjectionCost(gather, vocab_parallel, "gather" if gather <= vocab_parallel else "vocab_parallel")
 
 
-class TiedShardedProjection(nn.Module):
+class TiedShardedProjection(VocabParallelOutput, nn.Module):
     """``features @ table.T`` against a sharded table, tied to it.
 
     The table is *not* registered as a submodule: it is owned by the embedding, and
@@ -47,14 +49,18 @@ class TiedShardedProjection(nn.Module):
     ``output_projection.weight`` from ``embed_tokens.weight`` when it is missing).
     """
 
-    def __init__(self, table: ShardedEmbedding) -> None:
+    def __init__(self, table: ShardedEmbedding, mode: str = "gather") -> None:
         super().__init__()
         object.__setattr__(self, "_table", table)
         self.in_features = table.embedding_dim
         self.out_features = table.num_embeddings
+        self.set_output_mode(mode)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return F.linear(features, self._table.gathered_weight())
+    def output_table(self) -> ShardedEmbedding:
+        return self._table
+
+    def forward(self, features: torch.Tensor):
+        return self.project(features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
         # A stock checkpoint carries the tied weight under this name as well; the

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 SECTION = "embrace"
+OUTPUT_MODES = ("auto", "vocab-parallel", "gather")  # as embrace_fairseq.core.vocab_parallel.OUTPUT_MODES
 
 
 class EmbraceConfigError(ValueError):
@@ -33,6 +34,9 @@ class EmbraceConfig:
         finish the others (gradient exchange and update) while the next forward runs.
         Give the next batch with ``engine.embrace.next_batch(...)``. Not with gradient
         clipping, fp16/bf16 or gradient accumulation (refused at start-up).
+    output: how the output layer reads its sharded table in training (``embrace-ds-train``
+        with fairseq's cross_entropy / label_smoothed_cross_entropy): ``"auto"`` (cheaper
+        per step), ``"vocab-parallel"`` or ``"gather"``; the same as ``--embrace-output``.
     """
 
     model_level: bool = True
@@ -43,6 +47,7 @@ class EmbraceConfig:
     bucket_bytes: int = 4 << 20
     trace: Optional[str] = None
     relaxed_embedding: bool = False
+    output: str = "auto"
 
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding"}
@@ -65,6 +70,8 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"{where} must be true or false, got {value!r}")
         if key in _POSITIVE_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise EmbraceConfigError(f"{where} must be a positive integer, got {value!r}")
+        if key == "output" and value not in OUTPUT_MODES:
+            raise EmbraceConfigError(f"{where} must be one of {', '.join(map(repr, OUTPUT_MODES))}, got {value!r}")
         if key == "trace" and value is not None and (not isinstance(value, str) or not value):
             raise EmbraceConfigError(f"{where} must be null or a non-empty path prefix, got {value!r}")
         values[key] = value

@@ -137,6 +137,19 @@ def validate(engine: Any, task: Any, criterion: Any, cfg: Any, model: torch.nn.M
     return float(totals[0] / totals[1].clamp_min(1.0) / math.log(2))
 
 
+def _output_mode(args: Any, argv: List[str], section: Optional[Dict[str, Any]]) -> None:
+    """``"output"`` of the ``"embrace"`` section is ``--embrace-output``; both given and
+    different stops start-up."""
+    if not section or "output" not in section:
+        return
+    flag = "--embrace-output"
+    given = any(a == flag or a.startswith(flag + "=") for a in argv)
+    current = str(getattr(args, "embrace_output", "auto"))
+    if given and current != section["output"]:
+        raise ValueError(f'{flag} {current} disagrees with "embrace.output": "{section["output"]}" in the DeepSpeed config')
+    args.embrace_output = section["output"]
+
+
 def _setup(argv: Optional[List[str]]) -> Dict[str, Any]:
     """Parse fairseq's flags and the DeepSpeed config, start DeepSpeed, build task, model,
     criterion and engine. Returns them by name."""
@@ -148,6 +161,7 @@ def _setup(argv: Optional[List[str]]) -> Dict[str, Any]:
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.deepspeed_adapter.config import split_config
     from embrace_fairseq.deepspeed_adapter.fairseq_options import apply_fairseq_options
+    from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure as configure_output
 
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = options.parse_args_and_arch(get_parser(), input_args=argv)
@@ -159,6 +173,7 @@ def _setup(argv: Optional[List[str]]) -> Dict[str, Any]:
         raw = json.load(f)
     section = raw.pop("embrace", None) if isinstance(raw, dict) else None
     split_config({"embrace": section})  # a bad section stops here, before any rank starts
+    _output_mode(args, raw_argv, section)
     ds_config, make_optimizer, make_scheduler = apply_fairseq_options(raw, args, raw_argv, cpu)
     if section is not None:
         ds_config["embrace"] = section
@@ -172,6 +187,7 @@ def _setup(argv: Optional[List[str]]) -> Dict[str, Any]:
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)  # after init: ShardedEmbedding spans the world
     criterion = task.build_criterion(cfg.criterion)
+    configure_output(model, criterion)  # vocab-parallel output layer when the criterion takes it
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     model.to(device)
     criterion.to(device)

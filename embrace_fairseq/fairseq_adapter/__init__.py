@@ -8,10 +8,11 @@ from embrace_fairseq.fairseq_adapter import compat
 
 compat.apply()
 
-from embrace_fairseq.fairseq_adapter import checkpoint_io, trainer_glue
+from embrace_fairseq.fairseq_adapter import checkpoint_io, trainer_glue, vocab_parallel_criteria
 from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
     models,
 )
 
 trainer_glue.apply()
+vocab_parallel_criteria.apply()  # cross_entropy / label_smoothed_cross_entropy over the vocab-parallel output
 checkpoint_io.apply()  # atomic checkpoint writes, clear error on a corrupted one

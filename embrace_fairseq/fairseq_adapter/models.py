@@ -4,21 +4,27 @@ Each architecture is the stock one with its token embeddings replaced by
 :class:`~embrace_fairseq.ShardedEmbedding` (vocab-sharded over the data-parallel
 ranks) and, when input and output embeddings are tied, the output projection
 reading the sharded table through :class:`~embrace_fairseq.core.tied_projection.TiedShardedProjection`.
+Untied output projections are sharded the same way (:class:`~embrace_fairseq.core.sharded_output.ShardedOutputProjection`)
+unless ``--embrace-output gather``; ``--embrace-output`` picks how the output layer reads
+its table in training (see :mod:`.vocab_parallel_criteria`).
 Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass
 from typing import Any, List
 
 import torch.nn as nn
+from fairseq.dataclass import ChoiceEnum
 from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
 from fairseq.models.transformer.transformer_decoder import TransformerDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from fairseq.utils import safe_getattr
 
+from embrace_fairseq.core.sharded_output import ShardedOutputProjection
 from embrace_fairseq.core.tied_projection import TiedShardedProjection
+from embrace_fairseq.core.vocab_parallel import AUTO, GATHER, OUTPUT_MODES
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
 
 #: stock architecture -> EmbRace architecture registered here
@@ -84,17 +90,52 @@ def mark_for_fairseq(model: nn.Module) -> None:
         model._ddp_params_and_buffers_to_ignore = names
 
 
+OUTPUT_HELP = (
+    "how the output layer reads its vocab-sharded table in training: 'gather' all-gathers the table "
+    "(and reduce-scatters its gradient), 'vocab-parallel' exchanges the hidden states instead and "
+    "computes the loss over the shards (cross_entropy and label_smoothed_cross_entropy), 'auto' picks "
+    "the cheaper per step. 'gather' also keeps an untied output projection replicated."
+)
+
+
+def output_mode(args: Any) -> str:
+    mode = str(safe_getattr(args, "embrace_output", None) or AUTO)
+    if mode not in OUTPUT_MODES:
+        raise UnsupportedWithSharding(f"--embrace-output must be one of {', '.join(OUTPUT_MODES)}, got {mode!r}")
+    return mode
+
+
 class ShardedTiedOutputMixin:
-    """Builds the tied output projection against a sharded table."""
+    """Builds the output projection against a sharded table: tied to the embedding, or
+    (untied) sharded like it unless ``--embrace-output gather``."""
+
+    def __init__(self, *args, embrace_output: str = GATHER, **kwargs):
+        self._embrace_output = embrace_output  # read by build_output_projection, during __init__
+        super().__init__(*args, **kwargs)
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):  # noqa: D401
-        tied = self.share_input_output_embed and safe_getattr(cfg, "adaptive_softmax_cutoff", None) is None
+        mode = getattr(self, "_embrace_output", GATHER)
+        plain = safe_getattr(cfg, "adaptive_softmax_cutoff", None) is None
+        sharded = isinstance(embed_tokens, ShardedEmbedding) and embed_tokens.is_sharded
+        if mode == "vocab-parallel" and not plain:
+            raise UnsupportedWithSharding("--embrace-output vocab-parallel needs a plain output layer, "
+                                          "not --adaptive-softmax-cutoff")
+        if plain and not self.share_input_output_embed and sharded and mode != GATHER:
+            self.output_projection = ShardedOutputProjection(
+                self.output_embed_dim, len(dictionary), embed_tokens.group, mode=mode)
+            return self._after_output_projection(cfg)
+        tied = self.share_input_output_embed and plain
         if not (tied and isinstance(embed_tokens, ShardedEmbedding)):
             return super().build_output_projection(cfg, dictionary, embed_tokens)
         # The stock decoder builds an nn.Linear here and then ties its weight; build
         # and drop one so the random stream (and so every later module) is identical.
         nn.Linear(embed_tokens.embedding_dim, embed_tokens.num_embeddings, bias=False)
-        self.output_projection = TiedShardedProjection(embed_tokens)
+        self.output_projection = TiedShardedProjection(embed_tokens, mode=mode)
+
+    def _after_output_projection(self, cfg):
+        # what the stock build_output_projection does after the projection (base layers)
+        if safe_getattr(cfg, "base_layers", 0):
+            raise UnsupportedWithSharding("--base-layers")
 
 
 class EmbraceTransformerDecoderBase(ShardedTiedOutputMixin, TransformerDecoderBase):
@@ -110,6 +151,11 @@ class EmbraceTransformerModel(TransformerModel):
     """``transformer`` with vocab-sharded token embeddings (``--arch embrace_transformer*``)."""
 
     @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--embrace-output", choices=OUTPUT_MODES, default=AUTO, help=OUTPUT_HELP)
+
+    @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
         model = super().build_model(args, task)
@@ -123,7 +169,8 @@ class EmbraceTransformerModel(TransformerModel):
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(args)
-        return EmbraceTransformerDecoderBase(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+        return EmbraceTransformerDecoderBase(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention,
+                                             embrace_output=output_mode(args))
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
         table = self.encoder.embed_tokens
@@ -133,9 +180,13 @@ class EmbraceTransformerModel(TransformerModel):
         return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
 
 
-@dataclass
-class EmbraceTransformerLanguageModelConfig(TransformerLanguageModelConfig):
-    pass
+# Built with make_dataclass: fairseq reads field types at run time, and this module's
+# annotations are strings (``from __future__ import annotations``).
+EmbraceTransformerLanguageModelConfig = make_dataclass(
+    "EmbraceTransformerLanguageModelConfig",
+    [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP}))],
+    bases=(TransformerLanguageModelConfig,),
+)
 
 
 @register_model("embrace_transformer_lm", dataclass=EmbraceTransformerLanguageModelConfig)
@@ -151,7 +202,8 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
         if safe_getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = safe_getattr(args, "tokens_per_sample", 1024)
         embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
-        decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True)
+        decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,
+                                            embrace_output=output_mode(args))
         model = cls(decoder)
         mark_for_fairseq(model)
         return model

@@ -1,0 +1,170 @@
+"""Output layers over a sharded table that can hand their loss to the vocab-parallel path.
+
+An output layer (tied: :class:`~.tied_projection.TiedShardedProjection`; untied:
+:class:`ShardedOutputProjection`) returns full logits (``features @ W^T`` against the
+gathered table) unless the vocab-parallel path is switched on for it
+(:meth:`VocabParallelOutput.enable_vocab_parallel`, done by an adapter once it knows
+the loss can take it) *and* it runs in training with gradients. Then it returns a
+:class:`VocabParallelLogits` marker holding the features: the loss asks the marker,
+which picks the path for the step (:class:`~.vocab_parallel.OutputChooser`, from
+every rank's token count) and returns either the full logits or the per-token losses
+computed vocab-parallel. Evaluation, generation and anything reading log-probabilities
+keep the logits path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from embrace_fairseq.core.ledger import ledgers_for
+from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
+from embrace_fairseq.core.vocab_parallel import (
+    GATHER,
+    OUTPUT_MODES,
+    VOCAB_PARALLEL,
+    OutputChooser,
+    OutputCost,
+    VocabParallelLoss,
+    VocabShardSpec,
+    _gather_counts,
+    output_bytes,
+    vocab_parallel_loss,
+)
+
+
+def table_rows(table: ShardedEmbedding) -> torch.Tensor:
+    """Global ids of the table's local rows in its weight's row order, from the table's
+    own layout (:meth:`ShardedEmbedding.shard_of` of the identity column)."""
+    ids = torch.arange(table.num_embeddings, dtype=torch.long).unsqueeze(1)
+    return table.shard_of(ids).reshape(-1).clone()
+
+
+class VocabParallelOutput:
+    """Mixin for an output layer reading a :class:`ShardedEmbedding`'s rows.
+
+    ``output_mode``: ``auto``, ``vocab-parallel`` or ``gather``, as configured;
+    ``chooser`` is set (and the marker returned in training) only once
+    :meth:`enable_vocab_parallel` is called.
+    """
+
+    output_mode: str = GATHER
+    chooser: Optional[OutputChooser] = None
+
+    def output_table(self) -> ShardedEmbedding:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def set_output_mode(self, mode: str) -> None:
+        if mode not in OUTPUT_MODES:
+            raise ValueError(f"output mode must be one of {OUTPUT_MODES}, got {mode!r}")
+        self.output_mode = mode
+
+    def enable_vocab_parallel(self, enabled: bool = True, name: str = "output layer") -> None:
+        """Let training steps take the vocab-parallel path (per step when ``auto``)."""
+        on = enabled and self.output_mode != GATHER and self.output_table().is_sharded
+        self.chooser = OutputChooser(self.output_mode, name) if on else None
+
+    def full_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return F.linear(features, self.output_table().gathered_weight())
+
+    def project(self, features: torch.Tensor):
+        if self.chooser is not None and self.training and torch.is_grad_enabled():
+            return VocabParallelLogits(features, self)
+        return self.full_logits(features)
+
+
+class VocabParallelLogits:
+    """What a vocab-parallel output layer returns in training instead of logits.
+
+    A loss that knows it calls :meth:`loss` (or :meth:`logits` for the full-table path);
+    anything else that treats it as a tensor fails with a message naming the cause.
+    """
+
+    def __init__(self, features: torch.Tensor, layer: VocabParallelOutput) -> None:
+        self.features = features
+        self.layer = layer
+        self._logits: Optional[torch.Tensor] = None
+        self.choice: Optional[str] = None
+        self.cost: Optional[OutputCost] = None
+        self.result: Optional[VocabParallelLoss] = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(
+            f"{getattr(func, '__name__', func)}() was given the vocab-parallel output of an EmbRace model "
+            "instead of logits: this loss or tool does not support the vocab-parallel output layer. "
+            "Use --embrace-output gather (DeepSpeed: \"output\": \"gather\" in the \"embrace\" section)."
+        )
+
+    def __repr__(self) -> str:
+        return f"VocabParallelLogits(features={tuple(self.features.shape)}, choice={self.choice})"
+
+    def logits(self) -> torch.Tensor:
+        """Full logits against the gathered table (computed once)."""
+        if self._logits is None:
+            self._logits = self.layer.full_logits(self.features)
+        return self._logits
+
+    def decide(self, hidden_tokens: int, *, smoothing: bool, accuracy: bool) -> Tuple[str, list]:
+        """The path for this step (collective: all-gathers the token counts)."""
+        table = self.layer.output_table()
+        ledgers = tuple(ledgers_for(table.ledger))
+        counts = _gather_counts(hidden_tokens, table.group, ledgers)
+        self.cost = output_bytes(
+            table.num_embeddings, table.embedding_dim, counts, elem_bytes=self.features.element_size(),
+            smoothing=smoothing, accuracy=accuracy, max_shard_rows=table.plan.max_shard_size,
+        )
+        self.choice = self.layer.chooser.choose(self.cost)
+        return self.choice, counts
+
+    def loss(self, hidden: torch.Tensor, target: torch.Tensor, *, smoothing: bool, accuracy: bool) -> Optional[VocabParallelLoss]:
+        """Per-token losses of ``hidden`` (``T x D``, this rank's unmasked positions) by the
+        vocab-parallel path, or None when the step takes the full-logits path (then
+        call :meth:`logits`). Collective."""
+        choice, counts = self.decide(hidden.shape[0], smoothing=smoothing, accuracy=accuracy)
+        table = self.layer.output_table()
+        if choice != VOCAB_PARALLEL:
+            return None
+        table._read_full_table = False  # no table prefetch for the next steps' lookups
+        if table.relaxed is not None:
+            table.relaxed.before_full_read(table)
+        spec = VocabShardSpec(
+            rows=table_rows(table), vocab_size=table.num_embeddings, group=table.group,
+            grad_scale=table.grad_scale, ledgers=tuple(ledgers_for(table.ledger)),
+        )
+        self.result = vocab_parallel_loss(
+            hidden, table.weight, target, spec, smoothing=smoothing, accuracy=accuracy, counts=counts
+        )
+        return self.result
+
+
+class ShardedOutputProjection(VocabParallelOutput, ShardedEmbedding):
+    """Untied output projection (``nn.Linear(D, V, bias=False)``) with its rows sharded
+    over the data-parallel ranks like the input tables.
+
+    Initialised as fairseq initialises its untied projection, drawing the random stream
+    identically; its state dict holds the full ``V x D`` weight under ``weight`` (after
+    :func:`~.sharded_embedding.consolidate`), the key and shape of the stock layer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, process_group=None, *, mode: str = "auto") -> None:
+        with torch.random.fork_rng(devices=[]):  # the table's own draw must not shift the stream
+            ShardedEmbedding.__init__(self, out_features, in_features, None, process_group)
+        stock = nn.Linear(in_features, out_features, bias=False)  # what the stock decoder draws
+        nn.init.normal_(stock.weight, mean=0, std=in_features**-0.5)
+        self.load_full_weight(stock.weight.detach())
+        self.in_features, self.out_features = in_features, out_features
+        self.set_output_mode(mode)
+
+    def output_table(self) -> ShardedEmbedding:
+        return self
+
+    def forward(self, features: torch.Tensor):  # type: ignore[override]
+        return self.project(features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"shard={self.shard_range}, world_size={self.world_size}, output={self.output_mode}")

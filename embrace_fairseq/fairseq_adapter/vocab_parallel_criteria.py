@@ -1,0 +1,181 @@
+"""fairseq's own criteria over the vocab-parallel output layer.
+
+``cross_entropy`` and ``label_smoothed_cross_entropy`` keep their names, flags and
+logged values (``--label-smoothing``, ``--ignore-prefix-size``, ``--report-accuracy``,
+``--sentence-avg``). Their ``compute_loss`` / ``compute_accuracy`` are wrapped once, at
+import: when the model's output is a :class:`~embrace_fairseq.core.sharded_output.VocabParallelLogits`
+marker (training, vocab-parallel enabled), the loss is computed over the shards (or,
+when the step's choice is the gather path, from the full logits by the stock code);
+otherwise the stock code runs untouched.
+
+``Trainer.__init__`` switches the path on for the model's output layers when the
+criterion is one of these two; with another criterion ``--embrace-output
+vocab-parallel`` stops at start-up and ``auto`` keeps the full-logits path.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, List
+
+import torch
+import torch.nn as nn
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.trainer import Trainer
+
+from embrace_fairseq.core.sharded_output import VocabParallelLogits, VocabParallelOutput
+from embrace_fairseq.core.vocab_parallel import GATHER, VOCAB_PARALLEL, label_smoothed_loss
+
+logger = logging.getLogger(__name__)
+
+#: criteria (exact classes) whose loss is computed vocab-parallel
+SUPPORTED_CRITERIA = (CrossEntropyCriterion, LabelSmoothedCrossEntropyCriterion)
+
+_APPLIED = False
+
+
+class VocabParallelUnsupported(ValueError):
+    """``--embrace-output vocab-parallel`` with a loss that needs full logits."""
+
+
+def output_layers(model: nn.Module) -> List[VocabParallelOutput]:
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, VocabParallelOutput) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def configure(model: nn.Module, criterion: Any) -> None:
+    """Turn the vocab-parallel path on for the model's output layers if the criterion
+    takes it; stop when the flag forces it and the criterion cannot."""
+    layers = [m for m in output_layers(model) if m.output_mode != GATHER and m.output_table().is_sharded]
+    if not layers:
+        return
+    supported = type(criterion) in SUPPORTED_CRITERIA
+    if not supported:
+        forced = [m for m in layers if m.output_mode == VOCAB_PARALLEL]
+        if forced:
+            raise VocabParallelUnsupported(
+                f"--embrace-output vocab-parallel needs the cross_entropy or label_smoothed_cross_entropy "
+                f"criterion; {type(criterion).__name__} reads full logits. Use --embrace-output auto or gather."
+            )
+        logger.info("EmbRace output layer: %s needs full logits: gather path", type(criterion).__name__)
+        for m in layers:
+            m.enable_vocab_parallel(False)
+        return
+    for i, m in enumerate(layers):
+        m.enable_vocab_parallel(True, name="EmbRace output layer" + (f" {i}" if len(layers) > 1 else ""))
+
+
+def _split(criterion: Any, model: Any, net_output: Any, sample: Any, prefix: int):
+    """(hidden T x D, target T, mask of the flattened stock positions) of this rank's
+    unmasked target positions."""
+    marker: VocabParallelLogits = net_output[0]
+    target = model.get_targets(sample, net_output)
+    features = marker.features
+    if prefix > 0:
+        target = target[:, prefix:]
+        features = features[:, prefix:]
+    target = target.reshape(-1)
+    mask = target.ne(criterion.padding_idx)
+    hidden = features.reshape(-1, features.shape[-1])[mask]
+    return hidden, target[mask], mask
+
+
+def _unreduce(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    full = per_token.new_zeros(mask.shape[0])
+    full[mask] = per_token
+    return full
+
+
+def _with_logits(net_output: Any) -> Any:
+    return (net_output[0].logits(), *net_output[1:])
+
+
+def _cross_entropy_compute_loss(original):
+    @functools.wraps(original)
+    def compute_loss(self, model, net_output, sample, reduce=True):
+        marker = net_output[0]
+        if not isinstance(marker, VocabParallelLogits):
+            return original(self, model, net_output, sample, reduce)
+        hidden, target, mask = _split(self, model, net_output, sample, 0)
+        res = marker.loss(hidden, target, smoothing=False, accuracy=False)
+        if res is None:
+            return original(self, model, _with_logits(net_output), sample, reduce)
+        loss = res.nll.sum() if reduce else _unreduce(res.nll, mask)
+        return loss, loss
+
+    compute_loss._embrace_vocab_parallel = True  # type: ignore[attr-defined]
+    return compute_loss
+
+
+def _label_smoothed_compute_loss(original):
+    @functools.wraps(original)
+    def compute_loss(self, model, net_output, sample, reduce=True):
+        marker = net_output[0]
+        if not isinstance(marker, VocabParallelLogits):
+            return original(self, model, net_output, sample, reduce)
+        hidden, target, mask = _split(self, model, net_output, sample, self.ignore_prefix_size)
+        smoothing = self.eps != 0
+        res = marker.loss(hidden, target, smoothing=smoothing, accuracy=self.report_accuracy)
+        if res is None:
+            return original(self, model, _with_logits(net_output), sample, reduce)
+        marker.total = mask.sum()
+        vocab = marker.layer.output_table().num_embeddings
+        if reduce:
+            nll = res.nll.sum()
+            loss = label_smoothed_loss(nll, res.smooth.sum(), self.eps, vocab) if smoothing else nll
+        else:
+            nll = _unreduce(res.nll, mask).unsqueeze(1)
+            loss = label_smoothed_loss(nll, _unreduce(res.smooth, mask).unsqueeze(1), self.eps, vocab) \
+                if smoothing else nll
+        return loss, nll
+
+    compute_loss._embrace_vocab_parallel = True  # type: ignore[attr-defined]
+    return compute_loss
+
+
+def _label_smoothed_compute_accuracy(original):
+    @functools.wraps(original)
+    def compute_accuracy(self, model, net_output, sample):
+        marker = net_output[0]
+        if not isinstance(marker, VocabParallelLogits):
+            return original(self, model, net_output, sample)
+        if marker.choice is None:  # accuracy before any loss: decide now, no gradient
+            hidden, target, mask = _split(self, model, net_output, sample, self.ignore_prefix_size)
+            with torch.no_grad():
+                marker.loss(hidden.detach(), target, smoothing=False, accuracy=True)
+            marker.total = mask.sum()
+        if marker.choice != VOCAB_PARALLEL:
+            return original(self, model, _with_logits(net_output), sample)
+        return marker.result.n_correct, marker.total
+
+    compute_accuracy._embrace_vocab_parallel = True  # type: ignore[attr-defined]
+    return compute_accuracy
+
+
+def _trainer_init(original):
+    @functools.wraps(original)
+    def __init__(self: Trainer, cfg, task, model, criterion, *args, **kwargs):
+        configure(model, criterion)
+        return original(self, cfg, task, model, criterion, *args, **kwargs)
+
+    return __init__
+
+
+def apply() -> None:
+    """Wrap the two criteria and the trainer once (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    CrossEntropyCriterion.compute_loss = _cross_entropy_compute_loss(CrossEntropyCriterion.compute_loss)
+    LabelSmoothedCrossEntropyCriterion.compute_loss = _label_smoothed_compute_loss(
+        LabelSmoothedCrossEntropyCriterion.compute_loss)
+    LabelSmoothedCrossEntropyCriterion.compute_accuracy = _label_smoothed_compute_accuracy(
+        LabelSmoothedCrossEntropyCriterion.compute_accuracy)
+    Trainer.__init__ = _trainer_init(Trainer.__init__)
+    _APPLIED = True
+

@@ -1,0 +1,77 @@
+"""Vocab-parallel output projection + loss against the single-process full-table reference."""
+import pytest
+
+from embrace_fairseq.core.vocab_parallel import AUTO, GATHER, VOCAB_PARALLEL, OutputChooser, output_bytes
+from embrace_fairseq.tools.local_ranks import run_ranks
+
+import rank_fns_vocab_parallel as fns
+
+TOL = 1e-5
+VOCAB, DIM = 11, 5  # 11 rows: uneven over 2 and 3 ranks
+
+
+CASES = [
+    # (vocab, dim, token counts per rank, label smoothing, layout)
+    (VOCAB, DIM, [6, 3, 8], 0.0, "contiguous"),
+    (VOCAB, DIM, [6, 3, 8], 0.1, "contiguous"),
+    (VOCAB, DIM, [4, 0, 5], 0.1, "contiguous"),  # a rank without tokens
+    (VOCAB, DIM, [0, 4, 5], 0.0, "contiguous"),
+    (VOCAB, DIM, [5, 2, 7], 0.1, "strided"),  # the function takes its rows' ids: any layout
+    (2, DIM, [3, 1, 2], 0.1, "contiguous"),  # V=2 over 3 ranks: a rank holds no rows
+]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_matches_full_table(world):
+    results = run_ranks(fns.compare_cases, world, CASES)
+    for case_index, case in enumerate(CASES):
+        per_rank = [r[case_index] for r in results]
+        for rank, r in enumerate(per_rank):
+            where = f"world={world} case={case} rank={rank}"
+            for key in ("loss", "nll", "dh", "dw"):
+                assert r[key] < TOL, (where, key, r)
+            assert r["correct"][0] == r["correct"][1], (where, r["correct"])
+        if world > 1 and case[4] == "contiguous":
+            # the estimate the choice uses is what the busiest rank records
+            kinds = ("hidden_gather", "hidden_grad", "softmax_stats")
+            busiest = max(sum(r["bytes"].get(k, 0) for k in kinds) for r in per_rank)
+            est = per_rank[0]["estimate"]
+            assert abs(busiest - est) <= 0.02 * est + 64, (case, busiest, est)
+    if world > 1:  # no tokens on any rank: no collective, zero loss, gradients defined
+        assert [r[len(CASES)] for r in results] == [(0.0, 0)] * world
+
+
+def test_cost_and_choice():
+    # translation shape: d=256, V=8k, 2048 tokens per rank
+    two = output_bytes(8000, 256, [2048, 2048])
+    four = output_bytes(8000, 256, [2048] * 4)
+    assert two.gather_bytes == 2 * 4000 * 256 * 4
+    # N*T = 4096 < V on 2 ranks: activations are cheaper; 8192 > V on 4 ranks: the table is
+    assert two.choose(AUTO) == VOCAB_PARALLEL and four.choose(AUTO) == GATHER
+    assert two.vocab_parallel_bytes < 0.55 * two.gather_bytes
+    few = output_bytes(8000, 256, [512, 512])
+    assert few.choose(AUTO) == VOCAB_PARALLEL
+    assert few.choose(GATHER) == GATHER and four.choose(VOCAB_PARALLEL) == VOCAB_PARALLEL
+    assert output_bytes(8000, 256, [100]).choose(AUTO) == GATHER  # one rank: nothing moves either way
+    chooser = OutputChooser(AUTO)
+    assert [chooser.choose(c) for c in (few, few, four)] == [VOCAB_PARALLEL, VOCAB_PARALLEL, GATHER]
+    assert chooser.steps == {GATHER: 1, VOCAB_PARALLEL: 2}
+    with pytest.raises(ValueError):
+        OutputChooser("sometimes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_per_step_translation_shape(world):
+    """d=256, V=8000, 2048 tokens per rank: bytes sent per rank per step by each path, from
+    the ledger, against the estimate the automatic choice uses."""
+    vocab, dim, tokens = 8000, 256, 2048
+    res = run_ranks(fns.ledger_bytes_per_step, world, vocab, dim, tokens, timeout_s=600)
+    gather = max(sum(r["gather"].values()) for r in res)
+    vp = max(sum(r["vocab-parallel"].values()) for r in res)
+    est = output_bytes(vocab, dim, [tokens] * world)
+    print(f"\n{world} ranks: gather {gather} B ({res[0]['gather']}), vocab-parallel {vp} B ({res[0]['vocab-parallel']}); "
+          f"estimate gather {est.gather_bytes}, vocab-parallel {est.vocab_parallel_bytes}")
+    assert abs(gather - est.gather_bytes) <= 0.01 * est.gather_bytes
+    assert abs(vp - est.vocab_parallel_bytes) <= 0.01 * est.vocab_parallel_bytes
+    assert (vp < gather) == (world == 2)
