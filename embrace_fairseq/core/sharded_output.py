@@ -13,7 +13,6 @@ keep the logits path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch

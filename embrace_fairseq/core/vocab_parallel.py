@@ -35,15 +35,17 @@ local rows (:func:`shard_rows`).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, record_all
+from embrace_fairseq.core.ring_volume import ring_allreduce_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +56,12 @@ OUTPUT_MODES = (AUTO, VOCAB_PARALLEL, GATHER)
 
 
 # --------------------------------------------------------------------------- collectives
-# Small private helpers, one per collective, so they can move to a shared collectives
-# module without touching the algorithm. Every one is a no-op at world size 1.
+# One helper per exchange step, over :mod:`embrace_fairseq.core.collectives` (which places
+# tensors on the group's device), each recording its bytes. No-ops at world size 1.
 
 
 def _world(group) -> Tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return collectives.rank(group), collectives.world_size(group)
 
 
 def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
@@ -69,9 +69,7 @@ def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
     rank, world = _world(group)
     if world == 1:
         return [int(n)]
-    mine = torch.tensor([int(n)], dtype=torch.long)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
+    parts = collectives.all_gather(torch.tensor([int(n)], dtype=torch.long), group)
     record_all(ledgers, K.SOFTMAX_STATS, (world - 1) * 8, (world - 1) * 8)
     return [int(p.item()) for p in parts]
 
@@ -82,23 +80,18 @@ def _all_gather_rows(x: torch.Tensor, counts: Sequence[int], group, ledgers, kin
     rank, world = _world(group)
     if world == 1:
         return x
-    rows = max(counts)
-    padded = x.new_zeros(rows, *x.shape[1:])
-    padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    nbytes = (world - 1) * padded.numel() * padded.element_size()
+    out = collectives.all_gather_rows(x, counts, group)
+    nbytes = (world - 1) * max(counts) * math.prod(x.shape[1:]) * x.element_size()
     record_all(ledgers, kind, nbytes, nbytes)
-    return torch.cat([p[:n] for p, n in zip(parts, counts)], dim=0)
+    return out
 
 
-def _all_reduce(x: torch.Tensor, op, group, ledgers, kind: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, op: str, group, ledgers, kind: str) -> torch.Tensor:
     rank, world = _world(group)
     if world == 1 or x.numel() == 0:
         return x
-    x = x.contiguous()
-    dist.all_reduce(x, op=op, group=group)
-    nbytes = int(2 * (world - 1) / world * x.numel() * x.element_size())  # ring
+    x = collectives.all_reduce(x.contiguous(), op, group)
+    nbytes = int(ring_allreduce_bytes(x.numel() * x.element_size(), world))
     record_all(ledgers, kind, nbytes, nbytes)
     return x
 
@@ -110,11 +103,10 @@ def _reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group, ledgers,
     if world == 1:
         return x
     mine = counts[rank]
-    recv = x.new_empty(world * mine, *x.shape[1:])
-    dist.all_to_all_single(recv, x.contiguous(), [mine] * world, list(counts), group=group)
+    out = collectives.reduce_scatter_rows(x, counts, group)
     row = x[0].numel() * x.element_size() if x.shape[0] else 0
     record_all(ledgers, kind, (sum(counts) - mine) * row, (world - 1) * mine * row)
-    return recv.view(world, mine, *x.shape[1:]).sum(0)
+    return out
 
 
 # --------------------------------------------------------------------------- pure math
@@ -217,12 +209,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         z = F.linear(h_all, weight.detach()).float()
         col = local_columns(y_all, spec.rows, V)
         loc = local_max(z, spec.rows, V)
-        m = _all_reduce(loc.max.clone(), dist.ReduceOp.MAX, group, ledgers, K.SOFTMAX_STATS)
-        sums = _all_reduce(local_sums(z, m, col, smoothing), dist.ReduceOp.SUM, group, ledgers, K.SOFTMAX_STATS)
+        m = _all_reduce(loc.max.clone(), "max", group, ledgers, K.SOFTMAX_STATS)
+        sums = _all_reduce(local_sums(z, m, col, smoothing), "sum", group, ledgers, K.SOFTMAX_STATS)
         log_z, nll, smooth = losses_from_stats(m, sums, V)
         if accuracy:
             cand = torch.where(loc.max == m, loc.argmax, torch.full_like(loc.argmax, V))
-            pred = _all_reduce(cand, dist.ReduceOp.MIN, group, ledgers, K.SOFTMAX_STATS)
+            pred = _all_reduce(cand, "min", group, ledgers, K.SOFTMAX_STATS)
             n_correct = (pred == y_all)[offset : offset + mine].sum()
         else:
             n_correct = torch.zeros((), dtype=torch.long)
