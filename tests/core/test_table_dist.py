@@ -1,5 +1,5 @@
 """table_dist in real gloo ranks, uneven shards (and an empty one): gather_full,
-reduce_scatter_rows, GatherTable, PendingGather and PendingTableGrads against the
+reduce_scatter_rows, gather_table, PendingGather and PendingTableGrads against the
 full-table reference computed from all ranks' inputs in this process."""
 import numpy as np
 import pytest

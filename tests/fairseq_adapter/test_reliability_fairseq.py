@@ -373,7 +373,10 @@ def test_two_rank_checkpoint_loads_on_1_3_4_ranks(uninterrupted, record_property
     """A checkpoint of 2 ranks loads on 1, 3 and 4 ranks with identical full tables (and Adam moments)."""
     _, save = uninterrupted
     ckpt = str(save / "checkpoint_last.pt")
-    state = torch.load(ckpt, map_location="cpu")
+    from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
+    from embrace_fairseq.guards.safe_load import load as safe_load
+
+    state = safe_load(ckpt, fairseq_checkpoint_globals(), map_location="cpu")
     saved = state["model"]["encoder.embed_tokens.weight"].numpy()
     saved_moments = {i: v for i, v in state["last_optimizer_state"]["state"].items()
                      if "exp_avg" in v and v["exp_avg"].shape == saved.shape}

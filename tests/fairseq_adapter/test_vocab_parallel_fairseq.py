@@ -9,7 +9,6 @@ The vocabulary is odd (``--padding-factor 1``: 55 rows), so shards are uneven on
 from __future__ import annotations
 
 import pytest
-import torch
 
 import embrace_fairseq.fairseq_adapter  # noqa: F401  (allow-lists fairseq checkpoint globals for torch.load)
 
@@ -90,9 +89,12 @@ def test_untied_label_smoothing_two_ranks(mt_data, tmp_path):
     stock, ours = _run_case(mt_data, "translation", "transformer", 2, extra, tmp_path)
     assert _took_vocab_parallel(ours), ours.output[-3000:]
     print([ln for ln in ours.output.splitlines() if "EmbRace output layer" in ln])
-    state = torch.load(tmp_path / "ours" / "checkpoint_last.pt", map_location="cpu")
+    from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
+    from embrace_fairseq.guards.safe_load import load as safe_load
+
+    state = safe_load(str(tmp_path / "ours" / "checkpoint_last.pt"), fairseq_checkpoint_globals(), map_location="cpu")
     assert state["model"]["decoder.output_projection.weight"].shape == (VOCAB, 16)
-    ref = torch.load(tmp_path / "stock" / "checkpoint_last.pt", map_location="cpu")
+    ref = safe_load(str(tmp_path / "stock" / "checkpoint_last.pt"), fairseq_checkpoint_globals(), map_location="cpu")
     assert set(state["model"]) == set(ref["model"])
 
 

@@ -176,7 +176,7 @@ def table_dist_rank(rank, world, configs):
     from embrace_fairseq.core.ledger import CommLedger
     from embrace_fairseq.core.shard_plan import ShardPlan
     from embrace_fairseq.core.table_dist import (
-        GatherTable,
+        gather_table,
         PendingGather,
         PendingTableGrads,
         gather_full,
@@ -197,7 +197,7 @@ def table_dist_rank(rank, world, configs):
         res["reduce_scatter"] = reduce_scatter_rows(table_grad_for(rank, vocab, 0), plan, group, rank, TABLE_SCALE, ledgers)
         # autograd: all-gather forward, reduce-scatter backward
         param = shard.clone().requires_grad_()
-        full = GatherTable.apply(param, plan, group, rank, TABLE_SCALE, None)
+        full = gather_table(param, plan, group, rank, TABLE_SCALE, None)
         (full * table_grad_for(rank, vocab, 1)).sum().backward()
         res["gather_table"] = full.detach().clone()
         res["gather_table_grad"] = param.grad.clone()
