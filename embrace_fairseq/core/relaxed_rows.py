@@ -75,7 +75,7 @@ class RelaxedRows:
         self.tracer = tracer or Tracer(enabled=False)
         self._index = {id(t): i for i, t in enumerate(self.tables)}
         # G of the coming backward (set by next_batch) and G of the last update (what the
-        # next forward may read without waiting), as sorted global ids per table
+        # next forward may read without waiting), as sorted plan-order ids per table
         self._next: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._updated: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._split_with: List[Optional[torch.Tensor]] = [None] * len(self.tables)
@@ -96,6 +96,7 @@ class RelaxedRows:
             flat = [i.reshape(-1).long() for i in ids_list if i is not None and i.numel()]
             mine = torch.unique(torch.cat(flat)) if flat else torch.zeros(0, dtype=torch.long)
             mine = mine[(mine >= 0) & (mine < table.num_embeddings)]
+            mine = table.plan.to_plan(mine)  # G in plan order: the ids the exchange works with
             n = torch.tensor([mine.numel()], dtype=torch.long)
             sizes = [torch.zeros_like(n) for _ in range(world)]
             dist.all_gather(sizes, n, group=table.group)

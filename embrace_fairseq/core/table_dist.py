@@ -1,7 +1,9 @@
 """Full-table dist: a sharded table read whole, by a tied output projection or a checkpoint.
 
 All-gather the shards (padded to equal sizes: gloo needs them), and the mirror for the
-gradient: a reduce-scatter of the full-table gradient to the rows' owners. Together
+gradient: a reduce-scatter of the full-table gradient to the rows' owners. Full tables
+are in vocabulary order on both sides, whatever the plan's layout (the row blocks on
+the wire are in plan order). Together
 they move what DDP's all-reduce of the table would, never more. The overlapped variant
 issues the gather early in the step and the reduce-scatter from backward, each on its
 own process group, and waits only where the table or the shard gradient is read.
@@ -28,7 +30,7 @@ def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, l
     dist.all_gather(parts, padded.contiguous(), group=group)
     nbytes = padded.numel() * padded.element_size()
     record_all(ledgers, K.TABLE_GATHER, (world - 1) * nbytes, (world - 1) * nbytes)
-    return torch.cat([p[:n] for p, n in zip(parts, plan.sizes)], dim=0)
+    return plan.assemble(parts)  # in vocabulary order, whatever the layout
 
 
 def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None) -> torch.Tensor:
@@ -45,6 +47,7 @@ def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: i
     """
     world = plan.world_size
     mine = plan.shard_size(rank)
+    full_grad = plan.to_plan_order(full_grad)  # row blocks per owner (vocabulary order in)
     recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
     dist.all_to_all_single(recv, full_grad.contiguous(), [mine] * world, plan.sizes, group=group)
     row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0
@@ -94,7 +97,7 @@ class PendingGather:
         """The full table (waits once; later calls return the same tensor)."""
         if self._full is None:
             self._work.wait()
-            self._full = torch.cat([p[:n] for p, n in zip(self._parts, self.plan.sizes)], dim=0)
+            self._full = self.plan.assemble(self._parts)
             self._parts, self._padded = [], None
         return self._full
 
@@ -114,7 +117,7 @@ class PendingTableGrads:
         """Issue the AlltoAll of row blocks (the reduce-scatter without its local sum)."""
         plan, world = self.plan, self.plan.world_size
         mine = plan.shard_size(self.rank)
-        full_grad = full_grad.contiguous()
+        full_grad = plan.to_plan_order(full_grad).contiguous()
         recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
         work = dist.all_to_all_single(recv, full_grad, [mine] * world, plan.sizes, group=self.group, async_op=True)
         row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0

@@ -82,7 +82,7 @@ def test_world_of_one_without_process_group():
 @pytest.mark.parametrize("vocab", [0, 1, 2, 3, 7, 10, 11, 64, 1001])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_shard_plan(vocab, world):
-    plan = ShardPlan(vocab, world)
+    plan = ShardPlan(vocab, world, layout="contiguous")  # shard_range as vocabulary ranges
     sizes = plan.sizes
     assert sum(sizes) == vocab and max(sizes) - min(sizes) <= 1
     ids = torch.arange(vocab)
