@@ -4,14 +4,19 @@ Each architecture is the stock one with its token embeddings replaced by
 :class:`~embrace_fairseq.ShardedEmbedding` (vocab-sharded over the data-parallel
 ranks) and, when input and output embeddings are tied, the output projection
 reading the sharded table through :class:`~embrace_fairseq.core.tied_projection.TiedShardedProjection`.
-Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's.
+Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's,
+plus one flag: ``--embrace-shard-layout {strided,contiguous}``, which rank owns which
+row (default ``strided``: balanced exchanges; checkpoints are in vocabulary order with
+either, so they load under any layout and world size).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List
+import contextlib
+from dataclasses import field, make_dataclass
+from typing import Any, Iterator, List
 
 import torch.nn as nn
+from fairseq.dataclass import ChoiceEnum
 from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
 from fairseq.models.transformer.transformer_decoder import TransformerDecoder
@@ -20,6 +25,11 @@ from fairseq.utils import safe_getattr
 
 from embrace_fairseq.core.tied_projection import TiedShardedProjection
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
+from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, LAYOUTS, check_layout
+
+LAYOUT_FLAG = "--embrace-shard-layout"
+LAYOUT_HELP = ("which rank owns which embedding row: strided (id v on rank v mod N, balances the exchange of a "
+               "frequency-sorted dictionary) or contiguous (one id range per rank)")
 
 #: stock architecture -> EmbRace architecture registered here
 TRANSLATION_ARCHS = {
@@ -63,9 +73,34 @@ def check_supported(args: Any, lm: bool) -> None:
         )
 
 
-def build_sharded_embedding(dictionary, embed_dim: int) -> ShardedEmbedding:
+def build_sharded_embedding(dictionary, embed_dim: int, layout: str = DEFAULT_LAYOUT) -> ShardedEmbedding:
     # The default process group: every data-parallel rank holds a slice.
-    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad(), layout=layout)
+
+
+def shard_layout_of(args: Any) -> str:
+    """The ``--embrace-shard-layout`` of ``args`` (the default when absent, as in older checkpoints)."""
+    return check_layout(safe_getattr(args, "embrace_shard_layout", None) or DEFAULT_LAYOUT)
+
+
+# fairseq's TransformerModel hands build_embedding a TransformerConfig, which has no
+# place for our flag: build_model keeps the layout here while it builds.
+_building: List[str] = []
+
+
+@contextlib.contextmanager
+def _building_with(layout: str) -> Iterator[None]:
+    _building.append(layout)
+    try:
+        yield
+    finally:
+        _building.pop()
+
+
+def _layout_for(args: Any) -> str:
+    if safe_getattr(args, "embrace_shard_layout", None):
+        return shard_layout_of(args)
+    return _building[-1] if _building else DEFAULT_LAYOUT
 
 
 def mark_for_fairseq(model: nn.Module) -> None:
@@ -110,15 +145,21 @@ class EmbraceTransformerModel(TransformerModel):
     """``transformer`` with vocab-sharded token embeddings (``--arch embrace_transformer*``)."""
 
     @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument(LAYOUT_FLAG, choices=list(LAYOUTS), default=DEFAULT_LAYOUT, help=LAYOUT_HELP)
+
+    @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
-        model = super().build_model(args, task)
+        with _building_with(shard_layout_of(args)):
+            model = super().build_model(args, task)
         mark_for_fairseq(model)
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        return build_sharded_embedding(dictionary, embed_dim)
+        return build_sharded_embedding(dictionary, embed_dim, _layout_for(args))
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
@@ -133,9 +174,14 @@ class EmbraceTransformerModel(TransformerModel):
         return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
 
 
-@dataclass
-class EmbraceTransformerLanguageModelConfig(TransformerLanguageModelConfig):
-    pass
+# built with make_dataclass: fairseq reads the field types, which this module's
+# postponed annotations would turn into strings
+EmbraceTransformerLanguageModelConfig = make_dataclass(
+    "EmbraceTransformerLanguageModelConfig",
+    [("embrace_shard_layout", ChoiceEnum(list(LAYOUTS)), field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP}))],
+    bases=(TransformerLanguageModelConfig,),
+)
+EmbraceTransformerLanguageModelConfig.__module__ = __name__
 
 
 @register_model("embrace_transformer_lm", dataclass=EmbraceTransformerLanguageModelConfig)
@@ -158,7 +204,7 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        return build_sharded_embedding(dictionary, embed_dim)
+        return build_sharded_embedding(dictionary, embed_dim, _layout_for(args))
 
 
 def _plain_table_defaults(stock_fn):

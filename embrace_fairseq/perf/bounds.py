@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from embrace_fairseq.core import ledger as K
-from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, ShardPlan
 
 STRATEGIES = (
     "fairseq_legacy_ddp",
@@ -54,9 +54,8 @@ def off_owner_unique_ids(ids_per_rank: Sequence[torch.Tensor], plan: ShardPlan) 
     """For each rank, how many of its unique ids other ranks own (what it must ask for)."""
     out = []
     for rank, ids in enumerate(ids_per_rank):
-        start, end = plan.shard_range(rank)
         u = torch.unique(ids.reshape(-1).long())
-        out.append(int(((u < start) | (u >= end)).sum()))
+        out.append(int((plan.owner(u) != rank).sum()))  # any layout
     return out
 
 
@@ -76,6 +75,7 @@ def min_bytes_per_step(
     id_size: int = 4,
     tied_output: Optional[str] = None,
     exchanges_per_step: int = 1,
+    layout: str = DEFAULT_LAYOUT,
 ) -> Dict[str, float]:
     """Minimum bytes sent per rank per step, by kind, averaged over ranks; key ``total``.
 
@@ -92,6 +92,7 @@ def min_bytes_per_step(
             and so part of ``dense_numel``) or ``"gather"``: a tied output projection
             reads the full table.
         exchanges_per_step: AlltoAll exchanges per step (each sends one header).
+        layout: the tables' shard layout (which ids are local to which rank).
 
     What each strategy must send (``e`` = element_size, U_r = unique ids of rank r):
 
@@ -109,7 +110,7 @@ def min_bytes_per_step(
       indices (``id_size=8`` reproduces that part). With a tied projection the table
       gradient is dense, so the table is all-reduced as in DDP (``table_grad``).
     * ``embrace_noschedule``, ``embrace_schedule`` (same bytes; the schedule only
-      reorders): with the contiguous :class:`ShardPlan`, M = Σ_r (unique ids of rank r
+      reorders): with the :class:`ShardPlan` of ``layout``, M = Σ_r (unique ids of rank r
       owned by another rank); per rank on average ``ids`` = M·id_size/N,
       ``rows`` = M·D·e/N (owners send the rows back), ``grad_rows`` = M·D·e/N (the
       gradient of each unique row goes to its owner once). These three are the
@@ -165,7 +166,7 @@ def min_bytes_per_step(
             out[K.GRAD_ROWS] = ring_allgather_bytes(sum_unique * dim * element_size, n)
         out[K.DENSE_GRAD] = ring_allreduce_bytes(dense_bytes, n)
     else:  # embrace
-        plan = ShardPlan(vocab, n)
+        plan = ShardPlan(vocab, n, layout)
         m = float(sum(off_owner_unique_ids(ids_per_rank, plan)))
         out[K.COUNTS] = float(exchanges_per_step * (n - 1) * id_size)
         out[K.IDS] = m * id_size / n

@@ -946,7 +946,7 @@ def measure_translation_profile(data_dir: str, *, max_tokens: int = 512, steps: 
 
     check = {}
     for n in worlds:
-        plan, busiest, uniq = ShardPlan(table.shape[0], n), [], []
+        plan, busiest, uniq = ShardPlan(table.shape[0], n, "contiguous"), [], []  # vs. the contiguous zipf model
         for rep in range(8):
             us = [torch.unique(ids(next(itr))) for _ in range(n)]
             own = [[int(((u >= plan.boundaries[o]) & (u < plan.boundaries[o + 1])).sum()) for o in range(n)] for u in us]
