@@ -54,6 +54,23 @@ def get_parser():
     return parser
 
 
+def apply_shard_layout(args: Any, argv: List[str], layout: Optional[str]) -> None:
+    """The JSON's ``"embrace.shard_layout"`` becomes ``args.embrace_shard_layout`` (the
+    model's tables are built with it); an explicit ``--embrace-shard-layout`` that says
+    otherwise stops with :class:`FairseqOptionConflict`."""
+    if layout is None:
+        return
+    flag = getattr(args, "embrace_shard_layout", None)
+    given = any(a == "--embrace-shard-layout" or a.startswith("--embrace-shard-layout=") for a in argv)
+    if given and flag != layout:
+        from embrace_fairseq.deepspeed_adapter.fairseq_options import FairseqOptionConflict
+
+        raise FairseqOptionConflict(
+            f"--embrace-shard-layout {flag!r} disagrees with the DeepSpeed config's embrace.shard_layout = "
+            f"{layout!r}; give one of them, or the same value")
+    args.embrace_shard_layout = layout
+
+
 def _init_distributed(cpu: bool) -> None:
     import deepspeed
 
@@ -158,17 +175,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raw = json.load(f)
     section = raw.pop("embrace", None) if isinstance(raw, dict) else None
     _, embrace_cfg = split_config({"embrace": section})  # a bad section stops here, before any rank starts
-    if embrace_cfg.shard_layout is not None:
-        # the tables are built with the JSON's layout (an explicit flag must agree)
-        flag = getattr(args, "embrace_shard_layout", None)
-        if flag is not None and flag != embrace_cfg.shard_layout and any(
-                a == "--embrace-shard-layout" or a.startswith("--embrace-shard-layout=") for a in raw_argv):
-            from embrace_fairseq.deepspeed_adapter.fairseq_options import FairseqOptionConflict
-
-            raise FairseqOptionConflict(
-                f"--embrace-shard-layout {flag!r} disagrees with the DeepSpeed config's embrace.shard_layout = "
-                f"{embrace_cfg.shard_layout!r}; give one of them, or the same value")
-        args.embrace_shard_layout = embrace_cfg.shard_layout
+    apply_shard_layout(args, raw_argv, embrace_cfg.shard_layout)
     ds_config, make_optimizer, make_scheduler = apply_fairseq_options(raw, args, raw_argv, cpu)
     if section is not None:
         ds_config["embrace"] = section

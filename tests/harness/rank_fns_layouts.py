@@ -159,3 +159,44 @@ def load_sharded(rank, world, vocab, dim, layout, path):
     full_state = gather_sharded_state(opt).get(0, st)  # one rank: the state is the full table
     return {"table": emb.full_weight().detach().numpy().copy(), "exp_avg": full_state["exp_avg"].numpy().copy(),
             "exp_avg_sq": full_state["exp_avg_sq"].numpy().copy(), "local_ok": local_ok}
+
+
+
+def _deepspeed_layout_train(rank, steps, embrace, built_layout):
+    import rank_fns_deepspeed as D
+    from embrace_fairseq.deepspeed_adapter import initialize
+
+    model = D.TinyLM(True, True)
+    if built_layout != model.emb.layout:
+        torch.manual_seed(1234)  # the table TinyLM draws first, under the other layout
+        model.emb = ShardedEmbedding(D.VOCAB, D.DIM, padding_idx=1, layout=built_layout)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, *_ = initialize(model=model, optimizer=opt, config=D._ds_config(1, embrace=embrace))
+    losses = []
+    for step in range(steps):
+        ids, tgt = D._batch(step, rank)
+        loss = engine(ids, tgt)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.embrace.close()
+    return {"layout": model.emb.layout, "owned": model.emb.vocab_ids().tolist(), "losses": losses,
+            "state": model.full_state()}
+
+
+VARIANTS = [("strided", {"shard_layout": "contiguous"}, "contiguous"),
+            ("contiguous", {}, "contiguous"),
+            ("contiguous", {"shard_layout": "strided"}, "strided")]
+
+
+def deepspeed_layouts_run(rank, world, steps):
+    """Stock DeepSpeed (replicated table) and EmbRace engines whose tables were built with
+    one layout and whose "embrace" section may ask for another (:data:`VARIANTS`)."""
+    import rank_fns_deepspeed as D
+
+    D._ds_env(rank, world)
+    torch.set_num_threads(1)
+    out = {"ref": D.train(rank, world, sharded=False, tied=True, steps=steps)}
+    for i, (built, embrace, _) in enumerate(VARIANTS):
+        out[i] = _deepspeed_layout_train(rank, steps, embrace, built)
+    return out
