@@ -30,6 +30,39 @@ GOALS = {
     "translation": {"fairseq_legacy_ddp": 1.3, "fairseq_c10d": 1.3, "deepspeed": 1.3, "sparse_allgather": 1.2},
 }
 BYTES_GOAL = 1.10
+# exchange phases and the side of each that the shard layout decides (owners serve rows
+# in forward and receive gradient rows in backward)
+EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
+
+
+def exchange_balance(per_rank: List[Dict[str, Any]], steps: int) -> Optional[Dict[str, Any]]:
+    """Per exchange phase, the busiest rank next to the mean: the owner-side bytes per step
+    (rows sent in forward, gradient rows received in backward) and the AlltoAll seconds per
+    step (from the ranks' trace summaries, when traced). None without per-rank ledgers."""
+    out: Dict[str, Any] = {}
+    for phase, side in EXCHANGE_PHASES:
+        key = "bytes_by_kind" if side == "sent" else "bytes_received_by_kind"
+        if not all(key in pr for pr in per_rank):
+            continue
+        owner = [float(pr[key].get(phase, 0.0)) for pr in per_rank]
+        other_key = "bytes_received_by_kind" if side == "sent" else "bytes_by_kind"
+        other = [float(pr.get(other_key, {}).get(phase, 0.0)) for pr in per_rank]
+        mean = statistics.fmean(owner)
+        if mean <= 0:
+            continue
+        entry: Dict[str, Any] = {
+            "owner_side": side, "bytes_max": max(owner), "bytes_mean": mean, "bytes_max_over_mean": max(owner) / mean,
+            "link_max_over_mean": max(max(a, b) for a, b in zip(owner, other)) / mean,
+            "bytes_per_rank": owner,
+        }
+        secs = [(pr.get("trace_summary") or {}).get("seconds_by_kind", {}).get(phase) for pr in per_rank]
+        if all(s is not None for s in secs) and steps:
+            secs = [s / steps for s in secs]
+            sm = statistics.fmean(secs)
+            entry.update({"alltoall_s_max": max(secs), "alltoall_s_mean": sm,
+                          "alltoall_s_max_over_mean": max(secs) / sm if sm > 0 else None})
+        out[phase] = entry
+    return out or None
 
 
 def _bounds_fn():
@@ -106,6 +139,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
                     "min_bytes_per_rank_per_step": min_b,
                     "bytes_over_min": (total / min_b) if min_b else None,
                     "hidden_share": statistics.fmean(hidden) if hidden else None,
+                    "exchange_balance": exchange_balance(per_rank, n_steps),
                     "trace": per_rank[0].get("trace"),
                     "loss": per_rank[0]["loss"],
                 })
@@ -235,6 +269,21 @@ def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
                      f"{_mb(r['wire_bytes_per_rank_per_step'])} | {over} | {hid} | {sp} | "
                      f"{drift.get(r['strategy'], 0.0):.1e} |")
         L.append("")
+        bal = [r for r in sorted(rs, key=lambda r: STRATEGIES.index(r["strategy"])) if r.get("exchange_balance")]
+        if bal:
+            L.append("Exchange balance (busiest rank vs mean, per step; owner side: rows sent in forward, "
+                     "gradient rows received in backward):")
+            L.append("")
+            L.append("| strategy | phase | KB max | KB mean | max/mean | link max/mean | AlltoAll ms max | ms mean | max/mean |")
+            L.append("|---|---|---|---|---|---|---|---|---|")
+            for r in bal:
+                for phase, b in r["exchange_balance"].items():
+                    t = (f"{1e3 * b['alltoall_s_max']:.2f} | {1e3 * b['alltoall_s_mean']:.2f} | "
+                         f"{b['alltoall_s_max_over_mean']:.2f}") if b.get("alltoall_s_max") is not None else "- | - | -"
+                    L.append(f"| {LABELS[r['strategy']]} | {phase} | {b['bytes_max'] / 1e3:.1f} | "
+                             f"{b['bytes_mean'] / 1e3:.1f} | {b['bytes_max_over_mean']:.2f} | "
+                             f"{b['link_max_over_mean']:.2f} | {t} |")
+            L.append("")
     L.append("## Goal (4 ranks, 1 Gbit/s)")
     L.append("")
     if not result["goal"]:
