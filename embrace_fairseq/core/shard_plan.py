@@ -131,12 +131,18 @@ class ShardPlan:
         return ids.long() - self._starts(self._block_of(ids))
 
     def owner_of(self, vocab_id: int) -> int:
-        """:meth:`owner` of one id."""
-        return int(self.owner(torch.tensor([vocab_id]))[0])
+        """:meth:`owner` of one id (plain arithmetic, no tensor)."""
+        if self.layout == "strided":
+            return vocab_id % self.world_size
+        base, extra = divmod(self.num_embeddings, self.world_size)
+        split = extra * (base + 1)
+        return vocab_id // (base + 1) if vocab_id < split else extra + (vocab_id - split) // base
 
     def local_index_of(self, vocab_id: int) -> int:
-        """:meth:`local_index` of one id."""
-        return int(self.local_index(torch.tensor([vocab_id]))[0])
+        """:meth:`local_index` of one id (plain arithmetic, no tensor)."""
+        if self.layout == "strided":
+            return vocab_id // self.world_size
+        return vocab_id - self.shard_range(self.owner_of(vocab_id))[0]
 
     def to_plan(self, ids: torch.Tensor) -> torch.Tensor:
         """Plan-order id of each vocabulary id. Ids outside ``[0, num_embeddings)`` are
