@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from embrace_fairseq.core import collectives
-from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.shard_plan import LAYOUTS, ShardPlan
 
 
 class ShardPlanMismatchError(RuntimeError):
-    """Ranks disagree about a sharded table (vocabulary, size, padding or world size)."""
+    """Ranks disagree about a sharded table (vocabulary, size, padding, world size or layout)."""
 
 
 class ConfigMismatchError(RuntimeError):
@@ -79,6 +79,8 @@ def _show(style: Optional[str], value: int) -> str:
         return f"{value:015x}"
     if style == "optional" and value == -1:
         return "None"
+    if style == "layout" and 0 <= value < len(LAYOUTS):
+        return LAYOUTS[value]
     return str(value)
 
 
@@ -95,12 +97,14 @@ def check_same_plan(
             "dim": embedding_dim,
             "padding_idx": -1 if padding_idx is None else padding_idx,
             "world_size": plan.world_size,
+            "layout": LAYOUTS.index(plan.layout),
             "plan fingerprint": int(plan.fingerprint()[:15], 16),
         },
         "a sharded embedding table",
-        "Every rank must build it from the same dictionary, embedding size and world size "
-        "(check the data directory, the model options and the launcher on each rank).",
+        "Every rank must build it from the same dictionary, embedding size, world size and shard layout "
+        "(check the data directory, the model options (--embrace-shard-layout, the DeepSpeed "
+        "\"embrace.shard_layout\") and the launcher on each rank).",
         error=ShardPlanMismatchError,
         group=group,
-        shown={"padding_idx": "optional", "plan fingerprint": "hex"},
+        shown={"padding_idx": "optional", "layout": "layout", "plan fingerprint": "hex"},
     )

@@ -35,7 +35,7 @@ class ExchangePlan:
     plan: ShardPlan
     group: Optional["dist.ProcessGroup"]
     rank: int
-    unique_ids: torch.Tensor  # sorted unique ids this rank asked for (U,)
+    unique_ids: torch.Tensor  # sorted unique plan-order ids this rank asked for (U,)
     inverse: torch.Tensor  # position in the flat batch -> index into unique_ids
     send_counts: List[int]  # how many unique ids this rank asks of each owner
     recv_counts: List[int]  # how many ids each requester asks of this rank
@@ -63,8 +63,11 @@ def plan_exchange(
     world = plan.world_size
     ledgers = ledgers_for(ledger)
     device = flat_ids.device
-    # validate, dedup (sorted: shards are contiguous ranges, so the unique ids arrive
-    # grouped by owner) and count per owner; native_ops says how
+    # ids in plan order, where every owner's rows are one contiguous block (nothing to do
+    # for the contiguous layout); invalid ids pass unchanged and are found just below
+    flat_ids = plan.to_plan(flat_ids)
+    # validate, dedup (sorted: shards are contiguous blocks in plan order, so the unique
+    # ids arrive grouped by owner) and count per owner; native_ops says how
     bucketed = native_ops.dedup_bucket(flat_ids, plan.boundaries)
     bad = bucketed.bad_id
 

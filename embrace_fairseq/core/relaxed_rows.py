@@ -76,7 +76,7 @@ class RelaxedRows:
         self.tracer = tracer or Tracer(enabled=False)
         self._index = {id(t): i for i, t in enumerate(self.tables)}
         # G of the coming backward (set by next_batch) and G of the last update (what the
-        # next forward may read without waiting), as sorted global ids per table
+        # next forward may read without waiting), as sorted plan-order ids per table
         self._next: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._updated: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._split_with: List[Optional[torch.Tensor]] = [None] * len(self.tables)
@@ -98,6 +98,7 @@ class RelaxedRows:
             flat = [i.reshape(-1).to(device=device, dtype=torch.long) for i in ids_list if i is not None and i.numel()]
             mine = torch.unique(torch.cat(flat)) if flat else torch.zeros(0, dtype=torch.long, device=device)
             mine = mine[(mine >= 0) & (mine < table.num_embeddings)]
+            mine = table.plan.to_plan(mine)  # G in plan order: the ids the exchange works with
             sizes = collectives.all_gather(torch.tensor([mine.numel()], dtype=torch.long, device=device), table.group)
             longest = int(max(int(s.item()) for s in sizes))
             padded = torch.full((longest,), -1, dtype=torch.long, device=device)

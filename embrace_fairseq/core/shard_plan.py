@@ -1,40 +1,80 @@
 """Row (vocab) sharding of an embedding table over the ranks of a process group.
 
 The plan is pure arithmetic: it never talks to other ranks. Every rank builds the
-same plan from ``(num_embeddings, world_size)``, which is what lets each rank know,
-without asking, who owns any id.
+same plan from ``(num_embeddings, world_size, layout)``, which is what lets each rank
+know, without asking, who owns any id.
+
+Layouts (which rank owns which vocabulary id; shard sizes always differ by at most one):
+
+* ``strided`` (the default): id ``v`` lives on rank ``v % N`` at local row ``v // N``.
+  fairseq dictionaries are sorted by frequency, so this spreads the frequent words
+  evenly over the ranks and every rank carries about the same exchange volume;
+* ``contiguous``: rank ``r`` owns one range of ids (the first ranks own the most
+  frequent words, and carry most of the exchange).
+
+*Plan order* is the permutation ``plan_index(v) = start(owner(v)) + local_index(v)``:
+in plan order every owner's rows form one contiguous block ``shard_range(r)``, so the
+exchange (dedup and bucketing by :attr:`ShardPlan.boundaries`, requested local rows,
+the row blocks of full-table collectives) works on plan-order ids and needs nothing per
+layout. Ids are mapped to plan order after validation, and full tables are permuted
+between plan order and vocabulary order where they enter or leave the shards
+(:meth:`ShardPlan.assemble`, :meth:`ShardPlan.to_plan_order`, :meth:`ShardPlan.shard_rows`).
+Everything saved (checkpoints, optimizer state) is in vocabulary order. For the
+contiguous layout the permutation is the identity and none of it costs anything.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+
+#: The layouts a plan can have (the flag values and the DeepSpeed ``"shard_layout"``).
+LAYOUTS = ("strided", "contiguous")
+#: The balanced one.
+DEFAULT_LAYOUT = "strided"
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown shard layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return layout
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Contiguous vocab ranges whose sizes differ by at most one row.
+    """Shards whose sizes differ by at most one row, in one of :data:`LAYOUTS`.
 
     The first ``num_embeddings % world_size`` ranks hold one extra row, so any vocab
     size works with any world size (a rank may even hold zero rows when the vocab is
-    smaller than the world).
+    smaller than the world). Sizes are the same in every layout.
+
+    ``boundaries`` and ``shard_range`` are offsets in *plan order* (see the module doc);
+    for the contiguous layout plan order is vocabulary order. :meth:`owner` and
+    :meth:`local_index` take vocabulary ids.
     """
 
     num_embeddings: int
     world_size: int
+    layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
         if self.num_embeddings < 0:
             raise ValueError(f"num_embeddings must be >= 0, got {self.num_embeddings}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        check_layout(self.layout)
+
+    @functools.cached_property
+    def is_identity(self) -> bool:
+        """Plan order is vocabulary order (contiguous layout, one rank, or a vocab no larger than the world)."""
+        return self.layout == "contiguous" or self.world_size == 1 or self.num_embeddings <= self.world_size
 
     @functools.cached_property
     def boundaries(self) -> List[int]:
-        """``world_size + 1`` row offsets: rank ``r`` owns ``[b[r], b[r+1])``."""
+        """``world_size + 1`` plan-order offsets: rank ``r`` owns plan ids ``[b[r], b[r+1])``."""
         base, extra = divmod(self.num_embeddings, self.world_size)
         bounds = [0]
         for r in range(self.world_size):
@@ -51,6 +91,8 @@ class ShardPlan:
         return -(-self.num_embeddings // self.world_size)
 
     def shard_range(self, rank: int) -> Tuple[int, int]:
+        """Plan-order range ``[start, end)`` of ``rank``'s rows (vocabulary ids for the
+        contiguous layout only: see :meth:`vocab_ids`)."""
         self._check_rank(rank)
         b = self.boundaries
         return b[rank], b[rank + 1]
@@ -59,26 +101,122 @@ class ShardPlan:
         start, end = self.shard_range(rank)
         return end - start
 
-    def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rank that owns each id (ids must already be in ``[0, num_embeddings)``)."""
+    def _block_of(self, plan_ids: torch.Tensor) -> torch.Tensor:
+        """Rank whose plan-order block holds each plan id (the contiguous owner)."""
         base, extra = divmod(self.num_embeddings, self.world_size)
         # The first `extra` ranks hold base+1 rows; the rest hold `base` rows.
         split = extra * (base + 1)
-        ids = ids.long()
+        ids = plan_ids.long()
         big = torch.div(ids, base + 1, rounding_mode="floor")
         if base == 0:
             return big
         small = extra + torch.div(ids - split, base, rounding_mode="floor")
         return torch.where(ids < split, big, small)
 
+    def _starts(self, ranks: torch.Tensor) -> torch.Tensor:
+        """Plan-order start of each rank's block (elementwise arithmetic)."""
+        base, extra = divmod(self.num_embeddings, self.world_size)
+        return ranks * base + torch.clamp(ranks, max=extra)
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rank that owns each vocabulary id (ids must already be in ``[0, num_embeddings)``)."""
+        if self.layout == "strided":
+            return torch.remainder(ids.long(), self.world_size)
+        return self._block_of(ids)
+
     def local_index(self, ids: torch.Tensor) -> torch.Tensor:
-        """Row of each id inside its owner's shard."""
-        starts = torch.tensor(self.boundaries[:-1], dtype=torch.long, device=ids.device)
-        return ids.long() - starts[self.owner(ids)]
+        """Row of each vocabulary id inside its owner's shard."""
+        if self.layout == "strided":
+            return torch.div(ids.long(), self.world_size, rounding_mode="floor")
+        return ids.long() - self._starts(self._block_of(ids))
+
+    def owner_of(self, vocab_id: int) -> int:
+        """:meth:`owner` of one id (plain arithmetic, no tensor)."""
+        if self.layout == "strided":
+            return vocab_id % self.world_size
+        base, extra = divmod(self.num_embeddings, self.world_size)
+        split = extra * (base + 1)
+        return vocab_id // (base + 1) if vocab_id < split else extra + (vocab_id - split) // base
+
+    def local_index_of(self, vocab_id: int) -> int:
+        """:meth:`local_index` of one id (plain arithmetic, no tensor)."""
+        if self.layout == "strided":
+            return vocab_id // self.world_size
+        return vocab_id - self.shard_range(self.owner_of(vocab_id))[0]
+
+    def to_plan(self, ids: torch.Tensor) -> torch.Tensor:
+        """Plan-order id of each vocabulary id. Ids outside ``[0, num_embeddings)`` are
+        returned unchanged, so a later validation still finds (and names) them. The
+        identity (the tensor itself) when :attr:`is_identity`."""
+        if self.is_identity:
+            return ids
+        ids = ids.long()
+        mapped = self._starts(torch.remainder(ids, self.world_size)) + torch.div(ids, self.world_size, rounding_mode="floor")
+        return torch.where((ids >= 0) & (ids < self.num_embeddings), mapped, ids)
+
+    def to_vocab(self, plan_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary id of each plan-order id (inverse of :meth:`to_plan`)."""
+        if self.is_identity:
+            return plan_ids
+        rank = self._block_of(plan_ids)
+        return (plan_ids.long() - self._starts(rank)) * self.world_size + rank
+
+    def vocab_ids(self, rank: int, device=None) -> torch.Tensor:
+        """The vocabulary ids ``rank`` owns, in local-row order."""
+        start, end = self.shard_range(rank)
+        if self.is_identity:
+            return torch.arange(start, end, device=device)
+        return torch.arange(rank, self.num_embeddings, self.world_size, device=device)
+
+    # ------------------------------------------------------------------ full tables
+    def _index(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, str(device))
+        cache: Dict = self._tensors
+        if key not in cache:
+            ids = torch.arange(self.num_embeddings)
+            cache[key] = (self.to_vocab(ids) if name == "plan_order" else self.to_plan(ids)).to(device)
+        return cache[key]
+
+    @functools.cached_property
+    def _tensors(self) -> Dict:
+        return {}
+
+    def shard_rows(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s rows (local order) of a full tensor in vocabulary order: a view
+        for an identity plan, a copy otherwise."""
+        if full.shape[0] != self.num_embeddings:
+            raise ValueError(f"expected a full table of {self.num_embeddings} rows, got shape {tuple(full.shape)}")
+        if self.is_identity:
+            start, end = self.shard_range(rank)
+            return full[start:end]
+        return full.index_select(0, self.vocab_ids(rank, device=full.device))
+
+    def to_plan_order(self, full: torch.Tensor) -> torch.Tensor:
+        """A vocabulary-order full tensor in plan order (itself when :attr:`is_identity`)."""
+        if self.is_identity:
+            return full
+        return full.index_select(0, self._index("plan_order", full.device))
+
+    def to_vocab_order(self, full: torch.Tensor) -> torch.Tensor:
+        """A plan-order full tensor in vocabulary order (itself when :attr:`is_identity`)."""
+        if self.is_identity:
+            return full
+        return full.index_select(0, self._index("plan_index", full.device))
+
+    def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The vocabulary-order full tensor from every rank's shard (``parts[r]``: rank
+        ``r``'s rows in local order, possibly padded beyond its size)."""
+        if self.is_identity:
+            return torch.cat([p[:n] for p, n in zip(parts, self.sizes)], dim=0)
+        full = parts[0].new_empty(self.num_embeddings, *parts[0].shape[1:])
+        for r, (p, n) in enumerate(zip(parts, self.sizes)):
+            if n:
+                full.index_copy_(0, self.vocab_ids(r, device=p.device), p[:n])
+        return full
 
     def fingerprint(self) -> str:
         """Short digest ranks compare at start-up to catch mismatched plans."""
-        text = f"rows={self.num_embeddings};world={self.world_size};ranges={self.boundaries}"
+        text = f"rows={self.num_embeddings};world={self.world_size};layout={self.layout};ranges={self.boundaries}"
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def _check_rank(self, rank: int) -> None:

@@ -1,6 +1,7 @@
 """``ShardedEmbedding``: a drop-in ``nn.Embedding`` whose rows are spread over ranks.
 
-Each rank stores only its contiguous slice of the table (``.weight``) and looks up
+Each rank stores only its shard of the table (``.weight``: the rows the plan's layout
+gives it, in local order; see :mod:`~embrace_fairseq.core.shard_plan`) and looks up
 the rows it needs with AlltoAll (:mod:`~embrace_fairseq.core.input_dist`, :mod:`~embrace_fairseq.core.output_dist`). Gradients come back the same way,
 scaled so that ``.grad`` holds this rank's rows of the data-parallel *average*
 gradient: exactly what DDP would leave in a replicated table's ``.grad``.
@@ -32,7 +33,7 @@ from embrace_fairseq.core.table_dist import (
 )
 from embrace_fairseq.core.agreement import check_same_plan
 from embrace_fairseq.core.process_group import ProcessGroup, resolve_group
-from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, ShardPlan
 
 #: Attribute set on every sharded parameter so adapters can find (and skip) them.
 SHARDED_ATTR = "embrace_sharded"
@@ -85,6 +86,11 @@ class ShardedEmbedding(nn.Module):
             compute (see :meth:`set_table_overlap`). Collective when true and sharded.
         force_exchange: run the exchange even on one rank (needs torch.distributed
             initialised); ``None`` reads ``EMBRACE_FORCE_EXCHANGE``.
+        layout: which rank owns which row, one of ``shard_plan.LAYOUTS``: ``"strided"``
+            (default: id ``v`` on rank ``v % N``, balances the exchange of a
+            frequency-sorted vocabulary) or ``"contiguous"`` (one id range per rank).
+            Full tables (``full_weight``, ``state_dict``, checkpoints) are in vocabulary
+            order whatever the layout.
     """
 
     relaxed = None  # RelaxedRows or None
@@ -102,6 +108,7 @@ class ShardedEmbedding(nn.Module):
         device: Optional[torch.device] = None,
         overlap_table: bool = False,
         force_exchange: Optional[bool] = None,
+        layout: str = DEFAULT_LAYOUT,
     ) -> None:
         super().__init__()
         if padding_idx is not None:
@@ -113,16 +120,15 @@ class ShardedEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
         self.group, self.rank, self.world_size = resolve_group(process_group)
-        self.plan = ShardPlan(num_embeddings, self.world_size)
+        self.plan = ShardPlan(num_embeddings, self.world_size, layout)
         self.force_exchange = _force_exchange(force_exchange) and self.group is not None
         if self.is_sharded:
             # collective, once per table: a rank with another vocabulary or size stops here
             check_same_plan(self.plan, embedding_dim, padding_idx, self.group)
         self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
         self.ledger = ledger
-        start, end = self.plan.shard_range(self.rank)
         full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
-        self.weight = nn.Parameter(full[start:end].clone().to(device))
+        self.weight = nn.Parameter(self.plan.shard_rows(full, self.rank).clone().to(device))
         setattr(self.weight, SHARDED_ATTR, True)
         # lets optimizer-state glue find the table of a parameter without the module
         self.weight._embrace_table = weakref.ref(self)
@@ -139,7 +145,17 @@ class ShardedEmbedding(nn.Module):
     # ------------------------------------------------------------------ shape info
     @property
     def shard_range(self) -> Tuple[int, int]:
+        """This rank's rows as a plan-order range (vocabulary ids only for the contiguous
+        layout: :meth:`vocab_ids` holds them for any layout)."""
         return self.plan.shard_range(self.rank)
+
+    @property
+    def layout(self) -> str:
+        return self.plan.layout
+
+    def vocab_ids(self) -> torch.Tensor:
+        """The vocabulary ids of this rank's rows, in local order."""
+        return self.plan.vocab_ids(self.rank, device=self.weight.device)
 
     @property
     def is_sharded(self) -> bool:
@@ -148,16 +164,15 @@ class ShardedEmbedding(nn.Module):
 
     @property
     def _padding_local(self) -> Optional[int]:
-        if self.padding_idx is None:
+        if self.padding_idx is None or self.plan.owner_of(self.padding_idx) != self.rank:
             return None
-        start, end = self.shard_range
-        return self.padding_idx - start if start <= self.padding_idx < end else None
+        return self.plan.local_index_of(self.padding_idx)
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
-        return s + f", shard={self.shard_range}, world_size={self.world_size}"
+        return s + f", shard={self.shard_range}, world_size={self.world_size}, layout={self.layout}"
 
     # ------------------------------------------------------------------ lookups
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -301,13 +316,13 @@ class ShardedEmbedding(nn.Module):
         return gather_full(shard_tensor, self.plan, self.group, self.rank, self.ledger)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full-table tensor (no communication)."""
+        """This rank's rows (local order) of a full-table tensor in vocabulary order (no
+        communication; a view for the contiguous layout, a copy otherwise)."""
         if full.shape[0] != self.num_embeddings:
             raise ValueError(
                 f"expected a full table of {self.num_embeddings} rows, got shape {tuple(full.shape)}"
             )
-        start, end = self.shard_range
-        return full[start:end]
+        return self.plan.shard_rows(full, self.rank)
 
     @torch.no_grad()
     def load_full_weight(self, full: torch.Tensor) -> None:
@@ -317,6 +332,29 @@ class ShardedEmbedding(nn.Module):
                 f"expected a table of shape ({self.num_embeddings}, {self.embedding_dim}), got {tuple(full.shape)}"
             )
         self._drop_prefetched_table()
+        self.weight.copy_(self.shard_of(full))
+
+    @torch.no_grad()
+    def set_layout(self, layout: str) -> None:
+        """Re-shard the table under another layout (same rows, other owners). Collective
+        (gathers the table, then each rank keeps its new rows; shard sizes do not change,
+        so ``.weight`` stays the same parameter). Only before training starts: optimizer
+        state or gradients of the old shard would not follow."""
+        if layout == self.layout:
+            return
+        new_plan = ShardPlan(self.num_embeddings, self.world_size, layout)
+        if not self.is_sharded:
+            self.plan = new_plan
+            return
+        if self.weight.grad is not None or self._table_grads is not None and len(self._table_grads):
+            raise RuntimeError("set_layout() with gradients pending: change the layout before training starts")
+        full = self.full_weight()
+        self._drop_prefetched_table()
+        check_same_plan(new_plan, self.embedding_dim, self.padding_idx, self.group)
+        self.plan = new_plan
+        if self._table_grads is not None:
+            self._table_grads.plan = new_plan
+        self._consolidated = None
         self.weight.copy_(self.shard_of(full))
 
     # ------------------------------------------------------------------ state dict

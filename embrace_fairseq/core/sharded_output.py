@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from embrace_fairseq.core.ledger import ledgers_for
+from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.vocab_parallel import (
     GATHER,
@@ -39,7 +40,7 @@ def table_rows(table: ShardedEmbedding) -> torch.Tensor:
     """Global ids of the table's local rows in its weight's row order, from the table's
     own layout (:meth:`ShardedEmbedding.shard_of` of the identity column)."""
     ids = torch.arange(table.num_embeddings, dtype=torch.long).unsqueeze(1)
-    return table.shard_of(ids).reshape(-1).clone()
+    return table.shard_of(ids).reshape(-1).clone()  # == table.vocab_ids(), via the same map as loads
 
 
 class VocabParallelOutput:
@@ -149,9 +150,10 @@ class ShardedOutputProjection(VocabParallelOutput, ShardedEmbedding):
     :func:`~.sharded_embedding.consolidate`), the key and shape of the stock layer.
     """
 
-    def __init__(self, in_features: int, out_features: int, process_group=None, *, mode: str = "auto") -> None:
+    def __init__(self, in_features: int, out_features: int, process_group=None, *, mode: str = "auto",
+                 layout: str = DEFAULT_LAYOUT) -> None:
         with torch.random.fork_rng(devices=[]):  # the table's own draw must not shift the stream
-            ShardedEmbedding.__init__(self, out_features, in_features, None, process_group)
+            ShardedEmbedding.__init__(self, out_features, in_features, None, process_group, layout=layout)
         stock = nn.Linear(in_features, out_features, bias=False)  # what the stock decoder draws
         nn.init.normal_(stock.weight, mean=0, std=in_features**-0.5)
         self.load_full_weight(stock.weight.detach())

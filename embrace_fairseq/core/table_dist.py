@@ -1,7 +1,9 @@
 """Full-table dist: a sharded table read whole, by a tied output projection or a checkpoint.
 
 All-gather the shards (padded to equal sizes: gloo needs them), and the mirror for the
-gradient: a reduce-scatter of the full-table gradient to the rows' owners. Together
+gradient: a reduce-scatter of the full-table gradient to the rows' owners. Full tables
+are in vocabulary order on both sides, whatever the plan's layout (the row blocks on
+the wire are in plan order). Together
 they move what DDP's all-reduce of the table would, never more. The overlapped variant
 issues the gather early in the step and the reduce-scatter from backward, each on its
 own process group, and waits only where the table or the shard gradient is read.
@@ -12,6 +14,7 @@ import math
 from typing import Any, List, Optional
 
 import torch
+
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, ledgers_for, record_all
@@ -34,9 +37,9 @@ def _record_grad(plan: ShardPlan, full_grad: torch.Tensor, rank: int, ledgers) -
 
 def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
     # gloo's all_gather needs equal sizes on every rank: padded to the largest shard
-    full = collectives.all_gather_rows(shard, plan.sizes, group)
+    full = collectives.all_gather_rows(shard, plan.sizes, group)  # row blocks in plan order
     _record_gather(plan, shard, ledgers)
-    return full
+    return plan.to_vocab_order(full)  # in vocabulary order, whatever the layout
 
 
 def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None) -> torch.Tensor:
@@ -46,8 +49,9 @@ def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: 
 
 
 def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:
-    """Sum a full-table gradient over ranks and keep this rank's rows (AlltoAll-based)."""
-    grad = collectives.reduce_scatter_rows(full_grad, plan.sizes, group)
+    """Sum a full-table gradient (vocabulary order) over ranks and keep this rank's rows
+    (AlltoAll-based: the row blocks per owner are in plan order)."""
+    grad = collectives.reduce_scatter_rows(plan.to_plan_order(full_grad), plan.sizes, group)
     _record_grad(plan, full_grad, rank, ledgers)
     if scale != 1.0:
         grad.mul_(scale)
@@ -60,8 +64,11 @@ def gather_table(shard: torch.Tensor, plan: ShardPlan, group, rank: int, scale: 
     sharded table: the same volume as the dense all-reduce DDP would spend on it."""
     ledgers = ledgers_for(ledger)
     _record_gather(plan, shard, ledgers)
-    return collectives.gather_rows_from_group(
+    full = collectives.gather_rows_from_group(
         shard, plan.sizes, group, scale, on_backward=lambda g: _record_grad(plan, g, rank, ledgers))
+    # plan order -> vocabulary order; the index_select's backward puts the gradient
+    # back in plan order before the reduce-scatter
+    return plan.to_vocab_order(full)
 
 
 class PendingGather:
@@ -82,7 +89,7 @@ class PendingGather:
         """The full table (waits once; later calls return the same tensor)."""
         if self._full is None:
             parts = self._pending.wait()
-            self._full = torch.cat([p[:n] for p, n in zip(parts, self.plan.sizes)], dim=0)
+            self._full = self.plan.assemble(parts)  # in vocabulary order, whatever the layout
             self._pending = None
         return self._full
 
@@ -102,7 +109,7 @@ class PendingTableGrads:
         """Issue the AlltoAll of row blocks (the reduce-scatter without its local sum)."""
         plan, world = self.plan, self.plan.world_size
         mine = plan.shard_size(self.rank)
-        full_grad = full_grad.contiguous()
+        full_grad = plan.to_plan_order(full_grad).contiguous()
         recv = full_grad.new_empty(world * mine, *full_grad.shape[1:])
         work = collectives.all_to_all_single_async(recv, full_grad, [mine] * world, list(plan.sizes), self.group)
         row_bytes = full_grad[0].numel() * full_grad.element_size() if full_grad.shape[0] else 0

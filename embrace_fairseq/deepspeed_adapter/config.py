@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from embrace_fairseq.core.shard_plan import LAYOUTS
+
 SECTION = "embrace"
 OUTPUT_MODES = ("auto", "vocab-parallel", "gather")  # as embrace_fairseq.core.vocab_parallel.OUTPUT_MODES
 
@@ -37,6 +39,12 @@ class EmbraceConfig:
     output: how the output layer reads its sharded table in training (``embrace-ds-train``
         with fairseq's cross_entropy / label_smoothed_cross_entropy): ``"auto"`` (cheaper
         per step), ``"vocab-parallel"`` or ``"gather"``; the same as ``--embrace-output``.
+    shard_layout: which rank owns which embedding row, ``"strided"`` (id ``v`` on rank
+        ``v % N``: balances the exchange of a frequency-sorted vocabulary) or
+        ``"contiguous"`` (one id range per rank). ``None`` keeps the layout the tables
+        were built with (``"strided"`` unless ``--embrace-shard-layout`` said otherwise);
+        a table built with another layout is re-sharded when the hook attaches (before
+        the first step). ``embrace-ds-train`` builds the model with it directly.
     """
 
     model_level: bool = True
@@ -48,6 +56,7 @@ class EmbraceConfig:
     trace: Optional[str] = None
     relaxed_embedding: bool = False
     output: str = "auto"
+    shard_layout: Optional[str] = None
 
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding"}
@@ -74,6 +83,8 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"{where} must be one of {', '.join(map(repr, OUTPUT_MODES))}, got {value!r}")
         if key == "trace" and value is not None and (not isinstance(value, str) or not value):
             raise EmbraceConfigError(f"{where} must be null or a non-empty path prefix, got {value!r}")
+        if key == "shard_layout" and value is not None and value not in LAYOUTS:
+            raise EmbraceConfigError(f"{where} must be null or one of {', '.join(repr(x) for x in LAYOUTS)}, got {value!r}")
         values[key] = value
     return EmbraceConfig(**values)
 

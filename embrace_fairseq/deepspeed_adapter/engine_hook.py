@@ -68,6 +68,9 @@ class EmbraceEngineHook:
             model_level=config.model_level, tensor_level=config.tensor_level, piece_bytes=config.piece_bytes,
             max_in_flight=config.max_in_flight, bucket_bytes=config.bucket_bytes))
         self.tables = sharded_embeddings(module)
+        if config.shard_layout is not None:
+            for emb in self.tables:  # collective (same tables, same order on every rank); no-op when equal
+                emb.set_layout(config.shard_layout)
         self.shard_optimizer: Optional[ShardOptimizer] = None
         if uses_shard_optimizer(self.zero_stage, config):
             self.shard_optimizer = self._make_shard_optimizer(shard_groups or {})

@@ -55,6 +55,23 @@ def get_parser():
     return parser
 
 
+def apply_shard_layout(args: Any, argv: List[str], layout: Optional[str]) -> None:
+    """The JSON's ``"embrace.shard_layout"`` becomes ``args.embrace_shard_layout`` (the
+    model's tables are built with it); an explicit ``--embrace-shard-layout`` that says
+    otherwise stops with :class:`FairseqOptionConflict`."""
+    if layout is None:
+        return
+    flag = getattr(args, "embrace_shard_layout", None)
+    given = any(a == "--embrace-shard-layout" or a.startswith("--embrace-shard-layout=") for a in argv)
+    if given and flag != layout:
+        from embrace_fairseq.deepspeed_adapter.fairseq_options import FairseqOptionConflict
+
+        raise FairseqOptionConflict(
+            f"--embrace-shard-layout {flag!r} disagrees with the DeepSpeed config's embrace.shard_layout = "
+            f"{layout!r}; give one of them, or the same value")
+    args.embrace_shard_layout = layout
+
+
 def _init_distributed(cpu: bool) -> None:
     import deepspeed
 
@@ -172,8 +189,9 @@ def _setup(argv: Optional[List[str]]) -> Dict[str, Any]:
     with open(args.deepspeed_config) as f:
         raw = json.load(f)
     section = raw.pop("embrace", None) if isinstance(raw, dict) else None
-    split_config({"embrace": section})  # a bad section stops here, before any rank starts
+    _, embrace_cfg = split_config({"embrace": section})  # a bad section stops here, before any rank starts
     _output_mode(args, raw_argv, section)
+    apply_shard_layout(args, raw_argv, embrace_cfg.shard_layout)
     ds_config, make_optimizer, make_scheduler = apply_fairseq_options(raw, args, raw_argv, cpu)
     if section is not None:
         ds_config["embrace"] = section

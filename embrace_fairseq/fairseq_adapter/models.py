@@ -7,12 +7,16 @@ reading the sharded table through :class:`~embrace_fairseq.core.tied_projection.
 Untied output projections are sharded the same way (:class:`~embrace_fairseq.core.sharded_output.ShardedOutputProjection`)
 unless ``--embrace-output gather``; ``--embrace-output`` picks how the output layer reads
 its table in training (see :mod:`.vocab_parallel_criteria`).
-Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's.
+Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's,
+plus ``--embrace-shard-layout {strided,contiguous}``: which rank owns which row
+(default ``strided``: balanced exchanges; checkpoints are in vocabulary order with
+either, so they load under any layout and world size).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import field, make_dataclass
-from typing import Any, List
+from typing import Any, Iterator, List
 
 import torch.nn as nn
 from fairseq.dataclass import ChoiceEnum
@@ -26,6 +30,11 @@ from embrace_fairseq.core.sharded_output import ShardedOutputProjection
 from embrace_fairseq.core.tied_projection import TiedShardedProjection
 from embrace_fairseq.core.vocab_parallel import AUTO, GATHER, OUTPUT_MODES
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
+from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, LAYOUTS, check_layout
+
+LAYOUT_FLAG = "--embrace-shard-layout"
+LAYOUT_HELP = ("which rank owns which embedding row: strided (id v on rank v mod N, balances the exchange of a "
+               "frequency-sorted dictionary) or contiguous (one id range per rank)")
 
 #: stock architecture -> EmbRace architecture registered here
 TRANSLATION_ARCHS = {
@@ -69,9 +78,34 @@ def check_supported(args: Any, lm: bool) -> None:
         )
 
 
-def build_sharded_embedding(dictionary, embed_dim: int) -> ShardedEmbedding:
+def build_sharded_embedding(dictionary, embed_dim: int, layout: str = DEFAULT_LAYOUT) -> ShardedEmbedding:
     # The default process group: every data-parallel rank holds a slice.
-    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad())
+    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad(), layout=layout)
+
+
+def shard_layout_of(args: Any) -> str:
+    """The ``--embrace-shard-layout`` of ``args`` (the default when absent, as in older checkpoints)."""
+    return check_layout(safe_getattr(args, "embrace_shard_layout", None) or DEFAULT_LAYOUT)
+
+
+# fairseq's TransformerModel hands build_embedding a TransformerConfig, which has no
+# place for our flag: build_model keeps the layout here while it builds.
+_building: List[str] = []
+
+
+@contextlib.contextmanager
+def _building_with(layout: str) -> Iterator[None]:
+    _building.append(layout)
+    try:
+        yield
+    finally:
+        _building.pop()
+
+
+def _layout_for(args: Any) -> str:
+    if safe_getattr(args, "embrace_shard_layout", None):
+        return shard_layout_of(args)
+    return _building[-1] if _building else DEFAULT_LAYOUT
 
 
 def mark_for_fairseq(model: nn.Module) -> None:
@@ -122,7 +156,8 @@ class ShardedTiedOutputMixin:
                                           "not --adaptive-softmax-cutoff")
         if plain and not self.share_input_output_embed and sharded and mode != GATHER:
             self.output_projection = ShardedOutputProjection(
-                self.output_embed_dim, len(dictionary), embed_tokens.group, mode=mode)
+                self.output_embed_dim, len(dictionary), embed_tokens.group, mode=mode,
+                layout=embed_tokens.plan.layout)
             return self._after_output_projection(cfg)
         tied = self.share_input_output_embed and plain
         if not (tied and isinstance(embed_tokens, ShardedEmbedding)):
@@ -154,17 +189,19 @@ class EmbraceTransformerModel(TransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         parser.add_argument("--embrace-output", choices=OUTPUT_MODES, default=AUTO, help=OUTPUT_HELP)
+        parser.add_argument(LAYOUT_FLAG, choices=list(LAYOUTS), default=DEFAULT_LAYOUT, help=LAYOUT_HELP)
 
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
-        model = super().build_model(args, task)
+        with _building_with(shard_layout_of(args)):
+            model = super().build_model(args, task)
         mark_for_fairseq(model)
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        return build_sharded_embedding(dictionary, embed_dim)
+        return build_sharded_embedding(dictionary, embed_dim, _layout_for(args))
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
@@ -184,9 +221,12 @@ class EmbraceTransformerModel(TransformerModel):
 # annotations are strings (``from __future__ import annotations``).
 EmbraceTransformerLanguageModelConfig = make_dataclass(
     "EmbraceTransformerLanguageModelConfig",
-    [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP}))],
+    [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP})),
+     ("embrace_shard_layout", ChoiceEnum(list(LAYOUTS)),
+      field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP}))],
     bases=(TransformerLanguageModelConfig,),
 )
+EmbraceTransformerLanguageModelConfig.__module__ = __name__
 
 
 @register_model("embrace_transformer_lm", dataclass=EmbraceTransformerLanguageModelConfig)
@@ -210,7 +250,7 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        return build_sharded_embedding(dictionary, embed_dim)
+        return build_sharded_embedding(dictionary, embed_dim, _layout_for(args))
 
 
 def _plain_table_defaults(stock_fn):

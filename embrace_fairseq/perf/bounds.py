@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from embrace_fairseq.core.ring_volume import ring_allgather_bytes, ring_allreduce_bytes  # noqa: F401  (re-exported)
-from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, ShardPlan
 from embrace_fairseq.perf.strategies import STRATEGIES, get_strategy  # noqa: F401  (re-exported)
 
 TIED_OUTPUT = (None, "gather")
@@ -39,9 +39,8 @@ def off_owner_unique_ids(ids_per_rank: Sequence[torch.Tensor], plan: ShardPlan) 
     """For each rank, how many of its unique ids other ranks own (what it must ask for)."""
     out = []
     for rank, ids in enumerate(ids_per_rank):
-        start, end = plan.shard_range(rank)
         u = torch.unique(ids.reshape(-1).long())
-        out.append(int(((u < start) | (u >= end)).sum()))
+        out.append(int((plan.owner(u) != rank).sum()))  # any layout
     return out
 
 
@@ -63,6 +62,7 @@ class StepIds:
     id_size: int
     tied_output: Optional[str]
     exchanges_per_step: int
+    layout: str = DEFAULT_LAYOUT
 
     @property
     def table_bytes(self) -> float:
@@ -78,7 +78,7 @@ class StepIds:
 
     @cached_property
     def off_owner_total(self) -> float:
-        return float(sum(off_owner_unique_ids(self.ids_per_rank, ShardPlan(self.vocab, self.world_size))))
+        return float(sum(off_owner_unique_ids(self.ids_per_rank, ShardPlan(self.vocab, self.world_size, self.layout))))
 
 
 def _check(step: StepIds) -> None:
@@ -108,6 +108,7 @@ def min_bytes_per_step(
     id_size: int = 4,
     tied_output: Optional[str] = None,
     exchanges_per_step: int = 1,
+    layout: str = DEFAULT_LAYOUT,
 ) -> Dict[str, float]:
     """Minimum bytes sent per rank per step, by kind, averaged over ranks; key ``total``.
 
@@ -124,6 +125,7 @@ def min_bytes_per_step(
             and so part of ``dense_numel``) or ``"gather"``: a tied output projection
             reads the full table.
         exchanges_per_step: AlltoAll exchanges per step (each sends one header).
+        layout: the tables' shard layout (which ids are local to which rank).
 
     What each strategy must send is the strategy's registered formula, documented in
     :mod:`embrace_fairseq.perf.volume`. ``total`` is the sum of the kinds. A world of
@@ -131,7 +133,7 @@ def min_bytes_per_step(
     """
     spec = get_strategy(strategy)
     step = StepIds(world_size, vocab, dim, dense_numel, ids_per_rank, element_size, id_size, tied_output,
-                   exchanges_per_step)
+                   exchanges_per_step, layout)
     _check(step)
     if world_size == 1:
         return {"total": 0.0}

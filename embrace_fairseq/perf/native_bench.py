@@ -57,7 +57,7 @@ Case = Tuple[str, str, Dict, Callable[[], object], Callable[[], object]]
 
 def build_cases(n: int, vocab: int, dim: int, world: int, seed: int = 0) -> List[Case]:
     gen = torch.Generator().manual_seed(seed)
-    plan = ShardPlan(vocab, world)
+    plan = ShardPlan(vocab, world, "contiguous")  # ids below are used as plan-order ids
     bounds = plan.boundaries
     ids = zipf_ids(n, vocab, gen)
     # owner side of rank 0: every rank's unique ids that fall in rank 0's shard

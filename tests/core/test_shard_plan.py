@@ -1,4 +1,4 @@
-"""shard_plan: contiguous vocab ranges, sizes within one row, owner/local_index round trip,
+"""shard_plan (contiguous layout; the strided one: tests/core/test_shard_layouts.py): vocab ranges, sizes within one row, owner/local_index round trip,
 for any vocabulary and world size (a vocabulary smaller than the world included)."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ from embrace_fairseq.core.shard_plan import ShardPlan
 @pytest.mark.parametrize("vocab", [0, 1, 2, 3, 7, 10, 11, 64, 1001])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_sizes_ranges_owner_and_local_index(vocab, world):
-    plan = ShardPlan(vocab, world)
+    plan = ShardPlan(vocab, world, "contiguous")
     sizes = plan.sizes
     assert len(sizes) == world and sum(sizes) == vocab and max(sizes) - min(sizes) <= 1
     assert sizes == sorted(sizes, reverse=True)  # the extra rows sit on the first ranks
@@ -30,7 +30,7 @@ def test_sizes_ranges_owner_and_local_index(vocab, world):
 
 
 def test_owner_of_int32_and_shaped_ids():
-    plan = ShardPlan(11, 3)  # 4, 4, 3
+    plan = ShardPlan(11, 3, "contiguous")  # 4, 4, 3
     ids = torch.tensor([[0, 3, 4], [7, 8, 10]], dtype=torch.int32)
     assert plan.owner(ids).tolist() == [[0, 0, 1], [1, 2, 2]]
     assert plan.local_index(ids).tolist() == [[0, 3, 0], [3, 0, 2]]

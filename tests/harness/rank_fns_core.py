@@ -82,7 +82,7 @@ def input_dist_rank(rank, world, configs):
     for vocab, members in configs:
         if rank >= members:
             continue
-        group, plan = groups[members], ShardPlan(vocab, members)
+        group, plan = groups[members], ShardPlan(vocab, members, "contiguous")  # hand counts by id range
         for case in ID_CASES:
             xp = plan_exchange(case_ids(case, rank, members, vocab).reshape(-1), plan, group, rank)
             out[(vocab, members, case)] = {
@@ -133,7 +133,7 @@ def output_dist_rank(rank, world, configs, padding_idx):
     for vocab, members in configs:
         if rank >= members:
             continue
-        group, plan = groups[members], ShardPlan(vocab, members)
+        group, plan = groups[members], ShardPlan(vocab, members, "contiguous")  # hand counts by id range
         start, end = plan.shard_range(rank)
         shard = full_table(vocab)[start:end].clone()
         pad = padding_idx if padding_idx < vocab else None
@@ -188,7 +188,7 @@ def table_dist_rank(rank, world, configs):
     for vocab, members in configs:
         if rank >= members:
             continue
-        group, plan = groups[members], ShardPlan(vocab, members)
+        group, plan = groups[members], ShardPlan(vocab, members, "contiguous")  # hand counts by id range
         ledgers = [CommLedger()]
         start, end = plan.shard_range(rank)
         shard = full_table(vocab)[start:end].clone()
@@ -233,7 +233,7 @@ def ledger_rank(rank, world):
     from embrace_fairseq.core.shard_plan import ShardPlan
     from embrace_fairseq.core.table_dist import PendingGather, gather_full, reduce_scatter_rows
 
-    plan = ShardPlan(7, world)
+    plan = ShardPlan(7, world, "contiguous")
     start, end = plan.shard_range(rank)
     shard = full_table(7, 2)[start:end].clone()  # D = 2 fp32: 8 bytes a row
     global_ledger().reset()

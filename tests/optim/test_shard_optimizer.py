@@ -56,7 +56,7 @@ def test_shards_step_like_torch_on_the_full_table(kind, hp, world):
     torch.manual_seed(1)
     full = torch.randn(11, 3)
     grads = [torch.randn(11, 3) for _ in range(4)]
-    plan = ShardPlan(11, world)
+    plan = ShardPlan(11, world, "contiguous")
     shards = [torch.nn.Parameter(full[slice(*plan.shard_range(r))].clone()) for r in range(world)]
     opts = [ShardOptimizer([p], kind) for p in shards]
     ref_p = torch.nn.Parameter(full.clone())

@@ -10,7 +10,7 @@ IDS_2 = [torch.tensor([[0, 1, 2, 7, 7]]), torch.tensor([3, 5, 6, 6])]
 
 
 def _bounds(strategy, **kw):
-    args = dict(world_size=2, vocab=10, dim=4, dense_numel=100, ids_per_rank=IDS_2)
+    args = dict(world_size=2, vocab=10, dim=4, dense_numel=100, ids_per_rank=IDS_2, layout="contiguous")
     args.update(kw)
     return min_bytes_per_step(strategy, **args)
 
@@ -59,7 +59,8 @@ def test_embrace_is_flat_in_n_and_sparse_grows():
     for n in (2, 4, 8):
         v = 8 * n
         ids = [torch.tensor([(r * 8 + 8 + k) % v for k in range(3)]) for r in range(n)]
-        e = min_bytes_per_step("embrace_schedule", world_size=n, vocab=v, dim=16, dense_numel=0, ids_per_rank=ids)
+        e = min_bytes_per_step("embrace_schedule", world_size=n, vocab=v, dim=16, dense_numel=0, ids_per_rank=ids,
+                               layout="contiguous")
         s = min_bytes_per_step("sparse_allgather", world_size=n, vocab=v, dim=16, dense_numel=0, ids_per_rank=ids)
         totals[n] = (e["rows"], s["grad_rows"])
     assert totals[2][0] == totals[4][0] == totals[8][0] == 3 * 16 * 4

@@ -7,8 +7,9 @@ import torch
 from embrace_fairseq.perf.bench.report import assemble, markdown
 
 VOCAB, DIM, DENSE = 10, 4, 100
-# two ranks, one step: rank 0 asks for id 7 (rank 1's), rank 1 for id 3 (rank 0's)
-IDS = {0: torch.tensor([0, 1, 2, 7]), 1: torch.tensor([3, 5, 6])}
+# two ranks, one step, the default (strided) layout: id v lives on rank v % 2, so rank 0
+# asks for id 7 (rank 1's) and rank 1 for id 6 (rank 0's)
+IDS = {0: torch.tensor([0, 2, 4, 7]), 1: torch.tensor([3, 5, 6])}
 
 
 def _rank_record(rank, step_s, by_kind, loss):

@@ -3,7 +3,8 @@
 Four row-level steps run on every rank around the AlltoAlls of the input and output dists:
 
 * :func:`dedup_bucket` -- validate the ids, dedup them with an inverse index and count
-  the unique ids per owner of a contiguous :class:`ShardPlan`;
+  the unique ids per owner of a :class:`ShardPlan` (on plan-order ids, where every
+  owner's rows are one contiguous block, whatever the layout);
 * :func:`gather_rows` -- rows of a table at given indices (owners serving requests,
   requesters expanding unique rows back to the batch);
 * :func:`scatter_add_rows` -- sum gradient rows into destination rows (per unique

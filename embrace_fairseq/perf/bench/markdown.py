@@ -77,8 +77,29 @@ def _run_tables(result: Dict[str, Any]) -> List[str]:
         L.append("|---|---|---|---|---|---|---|---|---|")
         ratios = result["ratios"].get(key, {})
         drift = result["loss_max_rel_diff_vs_legacy_ddp"].get(key, {})
-        L += [_run_row(r, ratios, drift) for r in sorted(rs, key=lambda r: STRATEGIES.index(r["strategy"]))]
+        ordered = sorted(rs, key=lambda r: STRATEGIES.index(r["strategy"]))
+        L += [_run_row(r, ratios, drift) for r in ordered]
         L.append("")
+        L += _balance_table([r for r in ordered if r.get("exchange_balance")])
+    return L
+
+
+def _balance_table(runs: List[Dict[str, Any]]) -> List[str]:
+    """The busiest rank next to the mean, per exchange phase (the shard layout's effect)."""
+    if not runs:
+        return []
+    L = ["Exchange balance (busiest rank vs mean, per step; owner side: rows sent in forward, "
+         "gradient rows received in backward):", "",
+         "| strategy | phase | KB max | KB mean | max/mean | link max/mean | AlltoAll ms max | ms mean | max/mean |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for phase, b in r["exchange_balance"].items():
+            t = (f"{1e3 * b['alltoall_s_max']:.2f} | {1e3 * b['alltoall_s_mean']:.2f} | "
+                 f"{b['alltoall_s_max_over_mean']:.2f}") if b.get("alltoall_s_max") is not None else "- | - | -"
+            L.append(f"| {get_strategy(r['strategy']).label} | {phase} | {b['bytes_max'] / 1e3:.1f} | "
+                     f"{b['bytes_mean'] / 1e3:.1f} | {b['bytes_max_over_mean']:.2f} | "
+                     f"{b['link_max_over_mean']:.2f} | {t} |")
+    L.append("")
     return L
 
 

@@ -25,6 +25,39 @@ GOALS = {
     "translation": {"fairseq_legacy_ddp": 1.3, "fairseq_c10d": 1.3, "deepspeed": 1.3, "sparse_allgather": 1.2},
 }
 BYTES_GOAL = 1.10
+# exchange phases and the side of each that the shard layout decides (owners serve rows
+# in forward and receive gradient rows in backward)
+EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
+
+
+def exchange_balance(per_rank: List[Dict[str, Any]], steps: int) -> Optional[Dict[str, Any]]:
+    """Per exchange phase, the busiest rank next to the mean: the owner-side bytes per step
+    (rows sent in forward, gradient rows received in backward) and the AlltoAll seconds per
+    step (from the ranks' trace summaries, when traced). None without per-rank ledgers."""
+    out: Dict[str, Any] = {}
+    for phase, side in EXCHANGE_PHASES:
+        key = "bytes_by_kind" if side == "sent" else "bytes_received_by_kind"
+        if not all(key in pr for pr in per_rank):
+            continue
+        owner = [float(pr[key].get(phase, 0.0)) for pr in per_rank]
+        other_key = "bytes_received_by_kind" if side == "sent" else "bytes_by_kind"
+        other = [float(pr.get(other_key, {}).get(phase, 0.0)) for pr in per_rank]
+        mean = statistics.fmean(owner)
+        if mean <= 0:
+            continue
+        entry: Dict[str, Any] = {
+            "owner_side": side, "bytes_max": max(owner), "bytes_mean": mean, "bytes_max_over_mean": max(owner) / mean,
+            "link_max_over_mean": max(max(a, b) for a, b in zip(owner, other)) / mean,
+            "bytes_per_rank": owner,
+        }
+        secs = [(pr.get("trace_summary") or {}).get("seconds_by_kind", {}).get(phase) for pr in per_rank]
+        if all(s is not None for s in secs) and steps:
+            secs = [s / steps for s in secs]
+            sm = statistics.fmean(secs)
+            entry.update({"alltoall_s_max": max(secs), "alltoall_s_mean": sm,
+                          "alltoall_s_max_over_mean": max(secs) / sm if sm > 0 else None})
+        out[phase] = entry
+    return out or None
 
 
 def _min_bytes(name: str, world: int, prof: Dict[str, Any], ids: List[list], tied: bool,
@@ -66,6 +99,7 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
         "min_bytes_per_rank_per_step": min_b,
         "bytes_over_min": (total / min_b) if min_b else None,
         "hidden_share": statistics.fmean(hidden) if hidden else None,
+        "exchange_balance": exchange_balance(per_rank, n_steps),
         "trace": per_rank[0].get("trace"),
         "loss": per_rank[0]["loss"],
     }

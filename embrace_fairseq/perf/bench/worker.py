@@ -35,8 +35,8 @@ def _tx_bytes(path: str) -> float:
         return float("nan")
 
 
-def _ledger_bytes(snapshot: Dict[str, Dict[str, int]]) -> Dict[str, float]:
-    return {k: float(v) for k, v in snapshot["sent"].items()}
+def _ledger_bytes(snapshot: Dict[str, Dict[str, int]], side: str = "sent") -> Dict[str, float]:
+    return {k: float(v) for k, v in snapshot[side].items()}
 
 
 def _diff(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]:
@@ -100,7 +100,8 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
 
     counter.take()
     counter.enabled = True
-    led0 = _ledger_bytes(ledger.snapshot())
+    snap0 = ledger.snapshot()
+    led0, recv0 = _ledger_bytes(snap0), _ledger_bytes(snap0, "received")
     tx0 = _tx_bytes(tx_path)
     for _ in range(spec["steps_per_round"]):
         batch = batches.get(s.steps_done, rank)
@@ -116,9 +117,11 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
         rec["steps"] += 1
     counter.enabled = False
     rec["wire"] += _tx_bytes(tx_path) - tx0
-    for k, v in _diff(_ledger_bytes(ledger.snapshot()), led0).items():
-        k = _LEDGER_KINDS.get(k, k)
-        rec["bytes"][k] = rec["bytes"].get(k, 0.0) + v
+    snap1 = ledger.snapshot()
+    for side, before, into in (("sent", led0, rec["bytes"]), ("received", recv0, rec["received"])):
+        for k, v in _diff(_ledger_bytes(snap1, side), before).items():
+            k = _LEDGER_KINDS.get(k, k)
+            into[k] = into.get(k, 0.0) + v
     for k, v in counter.take().items():
         rec["counted"][k] = rec["counted"].get(k, 0.0) + v
 
@@ -138,6 +141,8 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
              "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
              "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
              "tokens": rec["tokens"], "batch_steps": rec["batch_steps"]}
+    if get_strategy(name).shards_table:  # the exchange's owner side is received in backward
+        entry["bytes_received_by_kind"] = {k: v / n for k, v in rec["received"].items()}
     hook = built[name].hook
     if hook is not None:
         summ = hook.tracer.summary()
@@ -159,7 +164,7 @@ def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, ran
         s = built[name]
         for _ in range(spec["warmup"]):
             s.step(batches.get(s.steps_done, rank))
-    per = {n: {"step_s": [], "loss": [], "bytes": {}, "counted": {}, "wire": 0.0, "steps": 0, "batch_steps": [],
+    per = {n: {"step_s": [], "loss": [], "bytes": {}, "received": {}, "counted": {}, "wire": 0.0, "steps": 0, "batch_steps": [],
                "tokens": 0} for n in spec["strategies"]}
     for s in built.values():
         if s.hook is not None:

@@ -87,7 +87,7 @@ def _sparse_load_check(itr, vocab: int, worlds: Sequence[int], zipf_s: float) ->
 
     check = {}
     for n in worlds:
-        plan, busiest, uniq = ShardPlan(vocab, n), [], []
+        plan, busiest, uniq = ShardPlan(vocab, n, "contiguous"), [], []  # vs. the contiguous zipf model
         for rep in range(8):
             us = [torch.unique(_ids(next(itr))) for _ in range(n)]
             own = [[int(((u >= plan.boundaries[o]) & (u < plan.boundaries[o + 1])).sum()) for o in range(n)] for u in us]
