@@ -2,9 +2,16 @@
 
 Each rank stores only its shard of the table (``.weight``: the rows the plan's layout
 gives it, in local order; see :mod:`~embrace_fairseq.core.shard_plan`) and looks up
-the rows it needs with AlltoAll (:mod:`~embrace_fairseq.core.input_dist`, :mod:`~embrace_fairseq.core.output_dist`). Gradients come back the same way,
-scaled so that ``.grad`` holds this rank's rows of the data-parallel *average*
-gradient: exactly what DDP would leave in a replicated table's ``.grad``.
+the rows it needs with AlltoAll (:mod:`~embrace_fairseq.core.input_dist`,
+:mod:`~embrace_fairseq.core.output_dist`). Gradients come back the same way, scaled so
+that ``.grad`` holds this rank's rows of the data-parallel *average* gradient: exactly
+what DDP would leave in a replicated table's ``.grad``.
+
+Why this module is a little over 400 lines: it is one class, the ``nn.Module`` face of
+every table operation (lookups, the full-table reads, the overlapped table exchange,
+state-dict resharding, layout changes), each method a few lines that call the dists;
+splitting the class would scatter one object's state over several files. The
+module-level helpers at the end find and consolidate the tables of a model.
 """
 from __future__ import annotations
 
