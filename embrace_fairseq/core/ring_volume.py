@@ -1,7 +1,7 @@
 """Bytes one rank sends in a ring collective: the one place these formulas are written.
 
 Ring algorithms are bandwidth-optimal, and the analytic bounds, the cost model and
-the benchmark's byte counter all assume them (DESIGN.md, "Volume per rank per step"):
+the benchmark's byte counter all assume them (docs/DESIGN.md, "Volume per rank per step"):
 
 * all-reduce of ``M`` bytes: a reduce-scatter then an all-gather, ``2 (N-1)/N M``;
 * all-gather of blocks adding up to ``M``: every rank forwards all blocks but one,
@@ -26,6 +26,11 @@ def ring_allgather_bytes(total_nbytes: float, world_size: int) -> float:
 
 
 ring_reduce_scatter_bytes = ring_allgather_bytes
+
+
+def ring_allreduce_bytes_int(nbytes: int, world_size: int) -> int:
+    """:func:`ring_allreduce_bytes` in whole bytes (floor), for byte ledgers."""
+    return 2 * (world_size - 1) * nbytes // world_size if world_size > 1 else 0
 
 
 def ring_allgather_block_bytes(block_nbytes: float, world_size: int) -> float:

@@ -14,31 +14,12 @@ table. Two ways to do that with a row-sharded table (docs/DESIGN.md):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.sharded_output import VocabParallelOutput
-
-
-@dataclass(frozen=True)
-class ProjectionCost:
-    gather_elems: float  # per rank per step, elements
-    vocab_parallel_elems: float
-    choice: str
-
-
-def projection_cost(vocab: int, dim: int, tokens_per_rank: int, world: int) -> ProjectionCost:
-    """Elements each rank moves per step for the two tied-projection strategies."""
-    if world <= 1:
-        return ProjectionCost(0.0, 0.0, "local")
-    gather = 2.0 * (world - 1) / world * vocab * dim  # all-gather + reduce-scatter of V x D
-    # all-gather hidden states + reduce-scatter their gradients, plus 2 softmax stats per token
-    vocab_parallel = 2.0 * (world - 1) * tokens_per_rank * dim + 2.0 * world * tokens_per_rank
-    return ProjectionCost(gather, vocab_parallel, "gather" if gather <= vocab_parallel else "vocab_parallel")
 
 
 class TiedShardedProjection(VocabParallelOutput, nn.Module):

@@ -4,7 +4,7 @@ Benchmarks divide what the ledger (or the NIC) measured by these figures: a rati
 near 1 says an implementation sends what its strategy needs and no more; the
 difference is protocol overhead (headers, padding, wider id types) or waste.
 
-Conventions (DESIGN.md, "Volume per rank per step"):
+Conventions (docs/DESIGN.md, "Volume per rank per step"):
 
 * bytes *sent* per rank per step, averaged over the ranks (what one NIC carries out;
   in a ring or an AlltoAll every rank also receives about as much);

@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core.ring_volume import ring_allreduce_bytes_int
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
@@ -300,7 +301,7 @@ class ScheduledAllReduce:
         pending.wait()
         esize = self._flat[piece.bucket].element_size()
         # ring all-reduce: each rank sends and receives 2 (N-1)/N of the payload
-        nbytes = 2 * (self.world_size - 1) * piece.numel * esize // max(1, self.world_size)
+        nbytes = ring_allreduce_bytes_int(piece.numel * esize, self.world_size)
         for ledger in self.ledgers:
             ledger.record(K.DENSE_GRAD, nbytes, nbytes)
         self.tracer.collective(K.DENSE_GRAD, piece.nbytes, pending.issued_us, pending.end_us(), bucket=piece.bucket,

@@ -15,7 +15,7 @@ class Profile:
     except the token table. ``tied_output``: ``None``, ``"gather"`` (the output
     projection reads the full table through an all-gather, its gradient a
     reduce-scatter: what the EmbRace models do) or ``"vocab_parallel"`` (activations
-    exchanged instead, DESIGN.md; a cost model only, not a training path).
+    exchanged instead, docs/DESIGN.md; a cost model only, not a training path).
     """
 
     name: str
