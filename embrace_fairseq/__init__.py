@@ -1,9 +1,10 @@
 """EmbRace for fairseq and DeepSpeed: vocab-sharded embeddings exchanged with AlltoAll.
 
-Core (framework-agnostic): :class:`ShardPlan`, the exchange primitives in
-:mod:`embrace_fairseq.core.exchange`, :class:`ShardedEmbedding` and byte accounting
-(:class:`CommLedger`). Adapters for fairseq and DeepSpeed live in subpackages and
-hold no algorithm.
+The public API, from the core layer (framework-agnostic): :class:`ShardPlan`,
+:class:`ShardedEmbedding` and byte accounting (:class:`CommLedger`); the exchange is in
+:mod:`embrace_fairseq.core.input_dist` / :mod:`~embrace_fairseq.core.output_dist` /
+:mod:`~embrace_fairseq.core.table_dist`. Adapters for fairseq and DeepSpeed live in
+subpackages and hold no algorithm. The layers: docs/ARCHITECTURE.md.
 """
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.core.ids import InvalidIdError

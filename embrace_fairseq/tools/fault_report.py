@@ -148,7 +148,7 @@ def markdown(records: List[Dict[str, Any]]) -> str:
 
 _MECHANISMS = """## What makes these pass
 
-* **Peer watchdog** (`embrace_fairseq/watchdog.py`): each rank writes a heartbeat into the
+* **Peer watchdog** (`embrace_fairseq/guards/watchdog.py`): each rank writes a heartbeat into the
   rendezvous store every second (or every fifth of the timeout, if shorter) and watches the others.
   A peer whose heartbeat stops for `EMBRACE_PEER_TIMEOUT_S` seconds (default 60; 0 turns it
   off), whose process is gone (same host: seen within one period), which failed while this
@@ -156,13 +156,13 @@ _MECHANISMS = """## What makes these pass
   `[embrace watchdog] rank K lost: ...` and exits with status 43. Installed by `run_ranks`,
   by the fairseq plugin when fairseq initialises distributed training, and by the DeepSpeed
   `initialize`. Under torchrun the agent also stops the other workers.
-* **Shard-plan agreement** (`embrace_fairseq/plan_check.py`): building a `ShardedEmbedding`
+* **Shard-plan agreement** (`embrace_fairseq/core/agreement.py`): building a `ShardedEmbedding`
   all-gathers (rows, dim, padding, world size, `ShardPlan.fingerprint()`) once; ranks that
   disagree all raise `ShardPlanMismatchError` naming the ranks and values.
-* **Replica check** (`embrace_fairseq/replica_check.py`): `check_replicas_agree(model)`
+* **Replica check** (`embrace_fairseq/guards/replica_check.py`): `check_replicas_agree(model)`
   all-gathers a SHA-1 of the dense parameters; the tests call it after every scenario that
   continues training.
-* **Atomic checkpoints** (`embrace_fairseq/atomic_io.py`, wired into fairseq by
+* **Atomic checkpoints** (`embrace_fairseq/guards/atomic_io.py`, wired into fairseq by
   `fairseq_adapter/checkpoint_io.py`): write to a temporary file, fsync, `os.replace`,
   fsync the directory; fairseq's copies to `checkpoint_last.pt`/`checkpoint_best.pt` go the
   same way (stock fairseq copies in place). Each file gets a `.sha256` sidecar, so a flipped
