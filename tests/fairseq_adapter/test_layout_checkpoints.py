@@ -53,7 +53,10 @@ def test_strided_checkpoint_loads_under_any_layout_and_world(tmp_path):
                        "--max-update", "6", "--save-dir", str(save), "--embrace-shard-layout", "strided"],
                       nproc=2, timeout=400).check()
     ckpt = str(save / "checkpoint_last.pt")
-    state = torch.load(ckpt, map_location="cpu")
+    from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
+    from embrace_fairseq.guards.safe_load import load as safe_load
+
+    state = safe_load(ckpt, fairseq_checkpoint_globals(), map_location="cpu")  # weights_only=True
     assert state["cfg"]["model"].embrace_shard_layout == "strided"
     saved = state["model"]["encoder.embed_tokens.weight"].numpy()
     saved_moments = {i: v for i, v in state["last_optimizer_state"]["state"].items()
