@@ -46,6 +46,7 @@ def _load_on_ranks(rank, world, ckpt, layout):
             "moments": {k: {n: v.numpy().copy() for n, v in d.items()} for k, d in moments.items()}}
 
 
+@pytest.mark.slow  # about 60 s; in-process round trips between layouts and world sizes: tests/core/test_shard_layouts.py
 def test_strided_checkpoint_loads_under_any_layout_and_world(tmp_path):
     data = make_translation_corpus(tmp_path / "mt", vocab_size=51, n_train=120, n_valid=12)
     save = tmp_path / "save"
