@@ -1,5 +1,9 @@
 import os
 import sys
+import tempfile
+
+import pytest
+import torch.distributed as dist
 
 # Tests import the multi-process harness (tests/harness) as top-level modules, and the
 # package from the checkout; spawned ranks inherit this sys.path, subprocesses get it
@@ -9,3 +13,16 @@ ROOT = os.path.dirname(HERE)
 for p in (os.path.join(HERE, "harness"), ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+
+@pytest.fixture
+def gloo1():
+    """A real gloo process group of one rank in this process, torn down after the test."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -1,7 +1,5 @@
 """embrace_fairseq.core.collectives: the placement rule per backend (a pure function, no GPU
 needed), and every wrapper on a real one-rank gloo group in this process."""
-import os
-import tempfile
 
 import pytest
 import torch
@@ -42,18 +40,6 @@ def test_other_backends_take_tensors_as_given(backend, device):
 
 
 # --------------------------------------------------------------------------- one-rank gloo group
-@pytest.fixture
-def gloo1():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def test_sync_wrappers_on_gloo(gloo1):
     assert C.is_distributed() and C.world_size() == 1 and C.rank() == 0 and C.backend_name() == "gloo"
     assert C.device_for(None, "cpu") == CPU

@@ -2,8 +2,6 @@
 in fp32 (no half-precision ``index_add_``, which on CUDA accumulates in half with atomics),
 and the exchange forced on at world size one (``EMBRACE_FORCE_EXCHANGE``), the switch
 ``scripts/gpu_check.sh`` uses to put the AlltoAll path on an NCCL group of one GPU."""
-import os
-import tempfile
 
 import pytest
 import torch
@@ -52,18 +50,6 @@ def test_expand_rows_backward_sums_in_fp32(dtype, monkeypatch):
     assert mode.dtypes and all(d == torch.float32 for d in mode.dtypes), mode.dtypes
     counts = torch.bincount(inverse, minlength=4).to(dtype).unsqueeze(1).expand(4, 6)
     assert torch.equal(rows.grad, counts)
-
-
-@pytest.fixture
-def gloo1():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_forced_exchange_on_one_rank_equals_a_plain_embedding(gloo1):

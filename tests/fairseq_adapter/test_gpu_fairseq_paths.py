@@ -5,13 +5,11 @@ with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD), no full copies kept after a save, and si
 checkpoints removed by --keep-* removed too."""
 import gc
 import os
-import tempfile
 import types
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("fairseq")
 
@@ -99,18 +97,6 @@ def test_keep_cleanup_leaves_no_orphan_sidecar(tmp_path):
     trainer = types.SimpleNamespace(should_save_checkpoint_on_current_rank=True, model=torch.nn.Linear(1, 1))
     checkpoint_io._wrap_save_checkpoint(fairseq_save)(types.SimpleNamespace(save_dir=str(tmp_path)), trainer, None, None)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_1_20.pt", "checkpoint_1_20.pt.sha256"]
-
-
-@pytest.fixture
-def gloo1():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 V, D = 37, 5

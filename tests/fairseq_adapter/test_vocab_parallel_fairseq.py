@@ -18,16 +18,8 @@ PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
 REL = 1e-4
 VOCAB = 55  # 51 words + 4 specials, no padding to a multiple of 8
 
-TINY_MT = [
-    "--encoder-layers", "1", "--decoder-layers", "1",
-    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-]
-TINY_LM = [
-    "--decoder-layers", "1", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
-    "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--sample-break-mode", "none",
-]
+from test_fairseq_plugin import TINY_LM, TINY_MT  # noqa: E402  (the plugin tests' tiny models)
+
 COMMON = [
     "--cpu", "--distributed-backend", "gloo", "--dropout", "0", "--attention-dropout", "0",
     "--optimizer", "adam", "--lr", "0.003", "--seed", "3", "--no-epoch-checkpoints",

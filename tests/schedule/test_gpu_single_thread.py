@@ -2,29 +2,13 @@
 single-thread mode issues every piece from the autograd thread in the list's order;
 credits wait for a piece to *finish* (Pending.synchronize: a CUDA event on GPUs); the
 exchange gate's lock is never held across a collective."""
-import os
-import tempfile
 import threading
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
 from embrace_fairseq.schedule.plan import ScheduleOptions, TensorSpec, build_schedule
-
-
-@pytest.fixture
-def gloo1():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _model():
