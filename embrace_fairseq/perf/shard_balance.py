@@ -197,7 +197,9 @@ def batch_source(data: Optional[Path] = None, cache: Optional[Path] = None) -> B
 def measure(source: BatchSource, worlds: Sequence[int] = (2, 4, 8), steps: int = 20, dim: int = 256,
             layouts: Sequence[str] = LAYOUTS, element_size: int = 4) -> Dict[str, Any]:
     """``{layout: {world: {phase: balance}}}`` for the source's batches."""
-    out: Dict[str, Any] = {"source": source.description, "vocab": source.vocab, "dim": dim, "steps": steps,
+    from embrace_fairseq.perf.provenance import source_state
+
+    out: Dict[str, Any] = {**source_state(), "source": source.description, "vocab": source.vocab, "dim": dim, "steps": steps,
                            "goal": GOAL, "layouts": {}}
     for layout in layouts:
         per_world = {}
@@ -240,6 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     result = measure(batch_source(Path(args.data), args.cache), args.worlds, args.steps, args.dim)
+    result["command"] = "python -m embrace_fairseq.perf.shard_balance " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -155,4 +155,14 @@ register_strategy(
     build=LazyRef(_BUILDERS, "build_embrace_schedule"), shards_table=True,
 )
 
+register_strategy(
+    "embrace_contiguous", label="(e') EmbRace, 2D schedule, contiguous shards", short="EmbRace contiguous",
+    aliases=("contiguous",),
+    description="(e) with contiguous shards instead of strided ones: rank 0 owns the most frequent words of the "
+                "frequency-sorted dictionary, so it serves most rows in forward and receives most gradient rows "
+                "in backward (the shard-layout ablation; same bytes in total, unevenly spread)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_contiguous"), shards_table=True,
+)
+
 STRATEGIES: Tuple[str, ...] = strategy_names()

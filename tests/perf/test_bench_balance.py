@@ -29,3 +29,34 @@ def test_without_ledgers_or_traces():
     assert exchange_balance([{"bytes_by_kind": {"dense_allreduce": 5.0}}], steps=2) is None
     b = exchange_balance([_rank(10, 10, 10, 10), _rank(10, 10, 10, 10)], steps=2)
     assert b["rows"]["bytes_max_over_mean"] == 1.0 and "alltoall_s_max" not in b["rows"]
+
+
+def _run(strategy, step_s, rows_ratio):
+    return {"model": "lm", "world_size": 4, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": strategy,
+            "step_s": step_s, "median_step_s": sorted(step_s)[len(step_s) // 2],
+            "exchange_balance": {"rows": {"bytes_max_over_mean": rows_ratio},
+                                 "grad_rows": {"bytes_max_over_mean": rows_ratio}}}
+
+
+def test_layout_check_compares_contiguous_with_strided_per_run():
+    from embrace_fairseq.perf.bench.markdown import _layouts
+    from embrace_fairseq.perf.bench.report import layout_check
+
+    strided = [1.0, 1.2, 0.9, 1.1, 1.0, 1.3, 0.95, 1.05] * 3
+    slower = [1.25 * s for s in strided]  # contiguous 25 % slower on every batch
+    checks = layout_check([_run("embrace_contiguous", slower, 3.1), _run("embrace_schedule", strided, 1.07),
+                           _run("deepspeed", slower, 1.0)])
+    (key, c), = checks.items()
+    assert key == "lm/w4/1gbit_0.1ms"
+    assert c["contiguous_over_strided"]["ratio"] == pytest.approx(1.25)
+    assert c["better"] and c["no_worse"]
+    assert c["owner_bytes_max_over_mean"]["embrace_contiguous"]["rows"] == 3.1
+    same = layout_check([_run("embrace_contiguous", strided[::-1], 3.1), _run("embrace_schedule", strided, 1.07)])
+    assert not next(iter(same.values()))["better"]
+    faster = layout_check([_run("embrace_contiguous", [0.7 * s for s in strided], 3.1),
+                           _run("embrace_schedule", strided, 1.07)])
+    assert not next(iter(faster.values()))["no_worse"]
+    text = "\n".join(_layouts({"layouts": checks, "confidence": 0.95}))
+    assert "1.250 [1.25, 1.25]" in text and "yes, faster" in text
+    assert "NO" in "\n".join(_layouts({"layouts": faster}))
+    assert layout_check([_run("embrace_schedule", strided, 1.0)]) == {}

@@ -60,7 +60,9 @@ def test_assemble_by_hand():
 
 def test_markdown_lists_every_run_with_its_label():
     md = markdown(_result(), ["x.png"])
-    assert "| (a) fairseq legacy_ddp | 2.500 |" in md and "| 2.50x |" in md
+    # the ratio with its paired-bootstrap interval: resampling the two steps gives
+    # 3/1.5 = 2 (a quarter of the time), 2.5/1 (half) or 2/0.5 = 4 (a quarter)
+    assert "| (a) fairseq legacy_ddp | 2.500 |" in md and "| 2.50x [2.00, 4.00] |" in md
     assert "| (e) EmbRace, 2D schedule | 1.000 |" in md and "bytes/min" in md
     assert md.index("(a) fairseq legacy_ddp") < md.index("(e) EmbRace")  # registry order
     assert "![x.png](x.png)" in md and "FALLBACK" in md

@@ -14,7 +14,7 @@ from embrace_fairseq.perf.simulator import Network, Prediction, Profile, predict
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "sparse_allgather", "embrace_noschedule",
-         "embrace_schedule")
+         "embrace_schedule", "embrace_contiguous")
 
 
 def _tiny_profile(tied=None):
@@ -23,9 +23,9 @@ def _tiny_profile(tied=None):
                    tied_output=tied)
 
 
-def test_the_six_strategies_in_order():
+def test_the_strategies_in_order():
     assert S.STRATEGIES == S.strategy_names() == NAMES
-    assert S.sharded_strategies() == ["embrace_noschedule", "embrace_schedule"]
+    assert S.sharded_strategies() == ["embrace_noschedule", "embrace_schedule", "embrace_contiguous"]
     assert S.SPEEDUP_SUBJECT in NAMES and S.REFERENCE in NAMES
 
 

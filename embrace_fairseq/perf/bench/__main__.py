@@ -184,8 +184,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from embrace_fairseq.perf.bench.report import assemble, write_outputs
 
+    from embrace_fairseq.perf.provenance import source_state
+
     meta = {
-        "mode": a.mode, "command": "python -m embrace_fairseq.perf.bench" + (" --quick" if a.quick else ""),
+        "mode": a.mode, "command": "python -m embrace_fairseq.perf.bench " + " ".join(argv if argv is not None
+                                                                                     else sys.argv[1:]),
+        "source": source_state(REPO_ROOT),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
         "versions": _versions(), "fallback_loopback": loopback, "fallback_reason": why_not,
         "latency_applied": (not loopback) and NC.netem_available(),

@@ -8,7 +8,9 @@
     then gets the gathered gradient as a dense tensor (it takes no sparse gradients);
 (d) ``embrace_noschedule``: the EmbRace architecture on DeepSpeed with the EmbRace hook,
     schedule off (``overlap``, ``model_level``, ``tensor_level`` false);
-(e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults).
+(e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults);
+(e') ``embrace_contiguous``: (e) with contiguous shards (rank 0 owns the most frequent
+    words of the frequency-sorted dictionary) instead of the default strided ones.
 
 Each is registered with its strategy in :mod:`embrace_fairseq.perf.strategies`.
 Every strategy: same fairseq arguments, seed, criterion, torch Adam (lr 1e-3), no
@@ -145,8 +147,10 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool) ->
     return _on_deepspeed(name, model, criterion, engine, opt, sparse)
 
 
-def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_prefix: Optional[str]) -> Strategy:
-    """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on or off."""
+def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_prefix: Optional[str],
+             shard_layout: Optional[str] = None) -> Strategy:
+    """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on or off;
+    ``shard_layout``: the ``"embrace"`` section's layout (None: the default)."""
     from embrace_fairseq.deepspeed_adapter import initialize
 
     criterion = W.build_criterion(w, task)
@@ -154,6 +158,8 @@ def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_pr
     section: Dict[str, Any] = {} if schedule else {"overlap": False, "model_level": False, "tensor_level": False}
     if trace_prefix:
         section["trace"] = trace_prefix
+    if shard_layout is not None:
+        section["shard_layout"] = shard_layout
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(section, ROWS_PER_RANK))
     return _on_deepspeed(name, model, criterion, engine, opt)
@@ -191,6 +197,11 @@ def build_embrace_noschedule(name: str, w: W.Workload, task: Any, data, counter:
 def build_embrace_schedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                            trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, True, trace_prefix)
+
+
+def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                             trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, True, trace_prefix, shard_layout="contiguous")
 
 
 def build(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

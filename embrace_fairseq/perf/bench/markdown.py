@@ -14,6 +14,10 @@ def _mb(x: Optional[float]) -> str:
 
 def _setup(meta: Dict[str, Any]) -> List[str]:
     L = [f"# EmbRace benchmark ({meta['mode']} mode)", ""]
+    src = meta.get("source") or {}
+    if src.get("commit"):
+        L.append(f"Measured on commit `{src['commit']}`" + (" with uncommitted changes" if src.get("dirty") else "")
+                 + ".")
     L.append(f"Command: `{meta['command']}`; wall {meta['wall_s'] or 0:.0f} s; versions "
              + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".")
     L.append("")
@@ -52,12 +56,18 @@ def _profiles(result: Dict[str, Any]) -> List[str]:
     return L
 
 
-def _run_row(r: Dict[str, Any], ratios: Dict[str, float], drift: Dict[str, float]) -> str:
+def _interval(iv: Optional[Dict[str, float]]) -> str:
+    return "" if not iv else f" [{iv['low']:.2f}, {iv['high']:.2f}]"
+
+
+def _run_row(r: Dict[str, Any], ratios: Dict[str, float], drift: Dict[str, float],
+             intervals: Dict[str, Dict[str, float]]) -> str:
     kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(r["bytes_per_rank_per_step"].items(),
                                                                key=lambda kv: -kv[1]) if v >= 1e3)
     over = "-" if r["bytes_over_min"] is None else f"{r['bytes_over_min']:.2f}"
     hid = "-" if r["hidden_share"] is None else f"{100 * r['hidden_share']:.0f}%"
-    sp = "-" if r["strategy"] == SPEEDUP_SUBJECT else f"{ratios.get(r['strategy'], float('nan')):.2f}x"
+    sp = ("-" if r["strategy"] == SPEEDUP_SUBJECT else
+          f"{ratios.get(r['strategy'], float('nan')):.2f}x{_interval(intervals.get(r['strategy']))}")
     return (f"| {get_strategy(r['strategy']).label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{_mb(r['bytes_total_per_rank_per_step'])} ({kinds or '-'}) | "
             f"{_mb(r['wire_bytes_per_rank_per_step'])} | {over} | {hid} | {sp} | "
@@ -77,8 +87,9 @@ def _run_tables(result: Dict[str, Any]) -> List[str]:
         L.append("|---|---|---|---|---|---|---|---|---|")
         ratios = result["ratios"].get(key, {})
         drift = result["loss_max_rel_diff_vs_legacy_ddp"].get(key, {})
+        intervals = result.get("ratio_intervals", {}).get(key, {})
         ordered = sorted(rs, key=lambda r: STRATEGIES.index(r["strategy"]))
-        L += [_run_row(r, ratios, drift) for r in ordered]
+        L += [_run_row(r, ratios, drift, intervals) for r in ordered]
         L.append("")
         L += _balance_table([r for r in ordered if r.get("exchange_balance")])
     return L
@@ -138,6 +149,30 @@ def _why(result: Dict[str, Any], model: str) -> List[str]:
             "longer in the run and the communication left to save is a smaller part of the step."]
 
 
+def _layouts(result: Dict[str, Any]) -> List[str]:
+    """Strided against contiguous shards, per run: step ratio with its interval, and balance."""
+    checks = result.get("layouts") or {}
+    if not checks:
+        return []
+    conf = 100 * result.get("confidence", 0.95)
+    L = ["## Shard layouts: strided (default) against contiguous", "",
+         f"Ratio = (e') contiguous median step / (e) strided median step, {conf:.0f} % paired-bootstrap interval; "
+         "owner side max/mean = the busiest rank's bytes over the mean rank's (rows sent in forward, gradient rows "
+         "received in backward). Goal: strided no slower at any rank count (interval reaches 1.0), faster where "
+         "the exchange is visible.", "",
+         "| run | contiguous / strided | owner max/mean contiguous (rows, grad_rows) | strided | strided no slower |",
+         "|---|---|---|---|---|"]
+    for key, c in checks.items():
+        iv = c["contiguous_over_strided"]
+        bal = c["owner_bytes_max_over_mean"]
+        fmt = lambda b: ", ".join(f"{b[ph]:.2f}" for ph in ("rows", "grad_rows") if ph in b) or "-"  # noqa: E731
+        verdict = "yes, faster" if c["better"] else ("yes" if c["no_worse"] else "NO")
+        L.append(f"| {key} | {iv['ratio']:.3f}{_interval(iv)} | {fmt(bal.get('embrace_contiguous', {}))} | "
+                 f"{fmt(bal.get(SPEEDUP_SUBJECT, {}))} | {verdict} |")
+    L.append("")
+    return L
+
+
 def _goal(result: Dict[str, Any]) -> List[str]:
     L = ["## Goal (4 ranks, 1 Gbit/s)", ""]
     if not result["goal"]:
@@ -150,7 +185,7 @@ def _goal(result: Dict[str, Any]) -> List[str]:
 
 
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
-    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _goal(result)
+    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _goal(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
+from embrace_fairseq.perf.bench.stats import CONFIDENCE, paired_ratio_interval
 from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model
@@ -25,6 +26,9 @@ GOALS = {
     "translation": {"fairseq_legacy_ddp": 1.3, "fairseq_c10d": 1.3, "deepspeed": 1.3, "sparse_allgather": 1.2},
 }
 BYTES_GOAL = 1.10
+# Shard layouts: the default (strided) layout's step is no slower than the contiguous one's
+# at any rank count: the interval of contiguous / strided must reach 1.0 or above
+LAYOUT_PAIR = ("embrace_contiguous", SPEEDUP_SUBJECT)
 # exchange phases and the side of each that the shard layout decides (owners serve rows
 # in forward and receive gradient rows in backward)
 EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
@@ -105,15 +109,53 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
     }
 
 
+def _by_key(runs: List[Dict[str, Any]]) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    return {(run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]}),
+             r["strategy"]): r for r in runs}
+
+
 def _ratios(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
     """Median step of each strategy over the subject's, per run key."""
     ratios: Dict[str, Dict[str, float]] = {}
-    med = {(r["model"], r["world_size"], r["link_gbit"], r["latency_ms"], r["strategy"]): r["median_step_s"] for r in runs}
-    for (m, wsz, g, lat, s), v in med.items():
-        e = med.get((m, wsz, g, lat, SPEEDUP_SUBJECT))
+    by = _by_key(runs)
+    for (key, s), r in by.items():
+        e = by.get((key, SPEEDUP_SUBJECT))
         if e and s != SPEEDUP_SUBJECT:
-            ratios.setdefault(run_key(m, wsz, {"gbit": g, "latency_ms": lat}), {})[s] = v / e
+            ratios.setdefault(key, {})[s] = r["median_step_s"] / e["median_step_s"]
     return ratios
+
+
+def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """The same ratios with their paired-bootstrap interval (:mod:`.stats`): every strategy
+    steps through the same batches, so step ``i`` of one pairs with step ``i`` of the other."""
+    out: Dict[str, Dict[str, Dict[str, float]]] = {}
+    by = _by_key(runs)
+    for (key, s), r in by.items():
+        e = by.get((key, SPEEDUP_SUBJECT))
+        if e and s != SPEEDUP_SUBJECT:
+            out.setdefault(key, {})[s] = paired_ratio_interval(r["step_s"], e["step_s"])
+    return out
+
+
+def layout_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per run key where both layouts ran: contiguous step / strided step with its interval,
+    and the exchange's busiest rank over the mean for each. Met when the interval's upper
+    end reaches 1.0 (strided no slower, within the measurement's resolution)."""
+    out: Dict[str, Any] = {}
+    by = _by_key(runs)
+    contiguous, strided = LAYOUT_PAIR
+    for (key, s), c in by.items():
+        e = by.get((key, strided))
+        if s != contiguous or e is None:
+            continue
+        iv = paired_ratio_interval(c["step_s"], e["step_s"])
+        bal = {}
+        for name, r in ((contiguous, c), (strided, e)):
+            eb = r.get("exchange_balance") or {}
+            bal[name] = {ph: eb[ph]["bytes_max_over_mean"] for ph in eb}
+        out[key] = {"contiguous_over_strided": iv, "no_worse": iv["high"] >= 1.0, "better": iv["low"] > 1.0,
+                    "owner_bytes_max_over_mean": bal}
+    return out
 
 
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
@@ -154,7 +196,8 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         pm["compute_s"] = {k: statistics.median(c[k] for c in comp) for k in ("forward", "backward", "optimizer")}
         pm["tokens_per_rank"] = int(round(statistics.fmean(pm.pop("_tokens"))))
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(runs),
-              "loss_max_rel_diff_vs_legacy_ddp": consistency}
+              "ratio_intervals": _ratio_intervals(runs), "confidence": CONFIDENCE,
+              "layouts": layout_check(runs), "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     return result
 

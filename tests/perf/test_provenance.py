@@ -1,0 +1,30 @@
+"""Results files name the commit they were measured on, and whether the tree was modified."""
+import subprocess
+
+from embrace_fairseq.perf.provenance import REPO_ROOT, source_state
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+def test_commit_and_dirty_flag(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    _git(tmp_path, "add", "a.txt")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert source_state(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "results.json").write_text("{}")  # untracked output: still clean
+    assert source_state(tmp_path)["dirty"] is False
+    (tmp_path / "a.txt").write_text("two\n")
+    assert source_state(tmp_path) == {"commit": head, "dirty": True}
+
+
+def test_outside_a_checkout(tmp_path):
+    assert source_state(tmp_path / "nowhere") == {"commit": None, "dirty": None}
+
+
+def test_this_checkout_has_a_commit():
+    state = source_state(REPO_ROOT)
+    assert state["commit"] is None or len(state["commit"]) == 40

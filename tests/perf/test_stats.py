@@ -1,0 +1,49 @@
+"""Paired-bootstrap intervals of step-time ratios (perf/bench/stats.py)."""
+import random
+
+import pytest
+
+from embrace_fairseq.perf.bench.stats import paired_ratio_interval, ratio_of_medians
+
+
+def _paired(n, true_ratio, batch_spread, noise, seed=1):
+    rng = random.Random(seed)
+    batch = [1.0 + batch_spread * rng.random() for _ in range(n)]  # shared by both strategies
+    den = [b * (1 + noise * rng.gauss(0, 1)) for b in batch]
+    num = [true_ratio * b * (1 + noise * rng.gauss(0, 1)) for b in batch]
+    return num, den
+
+
+def test_interval_holds_the_ratio_and_narrows_with_more_steps():
+    wide = paired_ratio_interval(*_paired(10, 1.3, 0.5, 0.03))
+    narrow = paired_ratio_interval(*_paired(200, 1.3, 0.5, 0.03))
+    for r in (wide, narrow):
+        assert r["low"] <= r["ratio"] <= r["high"]
+        assert r["low"] < 1.3 < r["high"] or abs(r["ratio"] - 1.3) < 0.02
+    assert narrow["high"] - narrow["low"] < wide["high"] - wide["low"]
+    assert narrow["steps"] == 200
+
+
+def test_pairing_cancels_the_batch_to_batch_variation():
+    num, den = _paired(40, 1.1, 1.0, 0.01)
+    paired = paired_ratio_interval(num, den)
+    # the same step times with the pairing destroyed: the batch spread is no longer shared
+    shuffled = list(num)
+    random.Random(3).shuffle(shuffled)
+    unpaired = paired_ratio_interval(shuffled, den)
+    assert paired["high"] - paired["low"] < 0.5 * (unpaired["high"] - unpaired["low"])
+    assert paired["low"] > 1.0  # 10 % apart is resolved when paired
+
+
+def test_no_difference_gives_an_interval_around_one():
+    num, den = _paired(60, 1.0, 0.5, 0.05, seed=7)
+    r = paired_ratio_interval(num, den)
+    assert r["low"] < 1.0 < r["high"]
+
+
+def test_reproducible_and_checked():
+    num, den = _paired(30, 1.2, 0.3, 0.05)
+    assert paired_ratio_interval(num, den) == paired_ratio_interval(num, den)
+    assert ratio_of_medians([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == 2.0
+    with pytest.raises(ValueError, match="no paired steps"):
+        paired_ratio_interval([], [1.0])
