@@ -97,10 +97,8 @@ def test_ds_inf_in_one_rank_shard_gradient(record_property):
 
 # --------------------------------------------------------------------------- launcher checkpoints
 
-from test_deepspeed_launcher import TINY_LM  # noqa: E402  (the launcher tests' tiny LM and flags)
-from fairseq_corpus import make_lm_corpus  # noqa: E402
-
-_LOSS = r"\| update (\d+) \| loss ([0-9.e+-]+) \|"
+from test_deepspeed_launcher import PRECISION, TINY_LM  # noqa: E402  (the launcher tests' tiny LM and flags)
+from fairseq_corpus import losses_by_update, make_lm_corpus  # noqa: E402
 
 
 def _ds_cmd(data, save_dir, extra):
@@ -113,13 +111,11 @@ def _ds_env(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(__import__("json").dumps(cfg))
     return dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent), DS_CONFIG=str(path),
-                MASTER_PORT=str(free_port()))
+                MASTER_PORT=str(free_port()), **PRECISION)
 
 
 def _losses(text):
-    import re
-
-    return {int(u): float(v) for u, v in re.findall(_LOSS, text)}
+    return losses_by_update(text)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +149,7 @@ def test_ds_killed_and_resumed_equals_uninterrupted(lm_data, tmp_path, record_pr
     again = subprocess.run(_ds_cmd(lm_data, tmp_path / "b", extra), env=_ds_env(tmp_path), capture_output=True,
                            text=True, timeout=600)
     text = again.stdout + again.stderr
-    assert again.returncode == 0 and "resumed from" in text, text[-3000:]
+    assert again.returncode == 0 and "Loaded checkpoint" in text, text[-3000:]
     got = _losses(text)
     start = min(got)
     # resumed after the last checkpoint written before the kill (every 4 updates, or an epoch end)
