@@ -280,9 +280,10 @@ class DeepSpeedTrainer(Trainer):
         logging_output = None
         if getattr(engine, "_step_applied", True):
             self.set_num_updates(self.get_num_updates() + 1)
-            logging_output = self._reduce_and_log_stats(logging_outputs, sample_size, self._grad_norm())
-            if self._engine.embrace.relaxed is not None:
-                metrics.log_speed("ups", 1.0, priority=100, round=2)  # no gnorm: see the module doc
+            grad_norm = self._grad_norm()
+            if grad_norm is None:  # relaxed mode (see the module doc): fairseq logs ups with gnorm
+                metrics.log_speed("ups", 1.0, priority=100, round=2)
+            logging_output = self._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
         else:
             logger.info("NOTE: gradient overflow detected, DeepSpeed skipped the update")
         if engine.fp16_enabled():
