@@ -21,10 +21,12 @@ mappings, allowed for the load only; a file naming anything else is refused unru
 
 Memory: gathering the full tables and moments is collective, but only rank 0 writes.
 The other ranks drop them as soon as the gather is done, and rank 0 right after the
-write: no rank keeps a full table (or its moments) between saves. Writing: rank 0 writes through
-:mod:`embrace_fairseq.guards.atomic_io` (temporary file, fsync, rename, SHA-256 sidecar), so a
-crash leaves the previous checkpoint intact and a corrupted file is refused on load. Saving and loading are collectives (tables are gathered; every rank
-reads the file and keeps its own rows).
+write: no rank keeps a full table (or its moments) between saves. Writing is fairseq's
+(``checkpoint_utils.save_checkpoint`` from the trainer in :mod:`.trainer`), made atomic by
+the user dir (:mod:`embrace_fairseq.fairseq_adapter.checkpoint_io`: temporary file, fsync,
+rename, SHA-256 sidecar), so a crash leaves the previous checkpoint intact and a corrupted
+file is refused on load. Loading is collective (every rank reads the file and keeps its
+own rows).
 """
 from __future__ import annotations
 

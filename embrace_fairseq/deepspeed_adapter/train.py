@@ -22,6 +22,7 @@ Launch with ``deepspeed --num_gpus N $(which embrace-ds-train) ...`` or ``torchr
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -120,7 +121,7 @@ def apply_json_values(ds_config: Dict[str, Any], args: Any, argv: List[str]) -> 
 def prepare(argv: Optional[List[str]] = None) -> Any:
     """Parse fairseq's flags and the DeepSpeed config; returns (cfg, DeepSpeedSetup).
     Bad input stops here, before any rank starts."""
-    import embrace_fairseq.fairseq_adapter  # noqa: F401  (compat fixes + EmbRace architectures)
+    importlib.import_module("embrace_fairseq.fairseq_adapter")  # compat fixes + EmbRace architectures
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -185,7 +186,7 @@ def run(cfg: Any, deepspeed: Any = None) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    import fairseq_cli.train  # noqa: F401  (first: it sets up logging as fairseq-train does)
+    importlib.import_module("fairseq_cli.train")  # first: it sets up logging as fairseq-train does
     from fairseq.distributed import utils as distributed_utils
 
     cfg, setup = prepare(argv)

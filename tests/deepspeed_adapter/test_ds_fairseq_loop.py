@@ -52,7 +52,7 @@ def _assert_same_run(stock, ds):
 def test_stock_transformer_same_losses_and_keys_as_fairseq_train(mt_data, tmp_path):
     """Stock ``transformer`` on 2 CPU ranks: fairseq-train (torchrun) and embrace-ds-train
     (the deepspeed launcher): per-update losses within 1e-4, same log keys."""
-    args = [str(mt_data), *TINY_MT, "--arch", "transformer"]
+    args = [str(mt_data), *TINY_MT, "--arch", "transformer", "--save-dir", str(tmp_path)]  # --no-save: only made
     stock = run_fairseq_train([*args, *STOCK_FLAGS], env=PRECISION, timeout=600).check()
     ds = run_ds_train(mt_data, args[1:], _ds_json(tmp_path), env=PRECISION).check()
     assert "DeepSpeed engine: ZeRO stage 0" in ds.output
