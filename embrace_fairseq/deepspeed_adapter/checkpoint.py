@@ -21,16 +21,17 @@ mappings, allowed for the load only; a file naming anything else is refused unru
 
 Memory: gathering the full tables and moments is collective, but only rank 0 writes.
 The other ranks drop them as soon as the gather is done, and rank 0 right after the
-write: no rank keeps a full table (or its moments) between saves. Writing: rank 0 writes through
-:mod:`embrace_fairseq.guards.atomic_io` (temporary file, fsync, rename, SHA-256 sidecar), so a
-crash leaves the previous checkpoint intact and a corrupted file is refused on load. Saving and loading are collectives (tables are gathered; every rank
-reads the file and keeps its own rows).
+write: no rank keeps a full table (or its moments) between saves. Writing is fairseq's
+(``checkpoint_utils.save_checkpoint`` from the trainer in :mod:`.trainer`), made atomic by
+the user dir (:mod:`embrace_fairseq.fairseq_adapter.checkpoint_io`: temporary file, fsync,
+rename, SHA-256 sidecar), so a crash leaves the previous checkpoint intact and a corrupted
+file is refused on load. Loading is collective (every rank reads the file and keeps its
+own rows).
 """
 from __future__ import annotations
 
 import io
 import logging
-import os
 import random
 from typing import Any, Dict, List, Optional
 
@@ -40,7 +41,6 @@ import torch
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.sharded_embedding import consolidate, release_consolidated
 from embrace_fairseq.guards import safe_load
-from embrace_fairseq.guards.atomic_io import atomic_save
 from embrace_fairseq.guards.atomic_io import load_checkpoint as atomic_load
 from embrace_fairseq.optim.optimizer_state import gather_sharded_state, to_local_state, with_full_state
 
@@ -122,65 +122,69 @@ def gather_full_state(engine: Any, model: torch.nn.Module) -> Optional[Dict[str,
             "optimizer": {"shards": shard_state, "dense": dense, "dense_per_rank": dense_per_rank}}
 
 
-def save_checkpoint(path: str, cfg: Any, engine: Any, model: torch.nn.Module, criterion: Any, epoch_itr: Any,
-                    extra: Dict[str, Any], iterator_state: Optional[Dict[str, Any]] = None) -> None:
-    """Write ``path`` (rank 0) from the state of every rank. Collective. ``iterator_state``
-    overrides ``epoch_itr.state_dict()`` (a caller that has read ahead)."""
+def build_checkpoint(cfg: Any, engine: Any, criterion: Any, full: Dict[str, Any], *,
+                     num_updates: int, lr_scheduler_state: Dict[str, Any], task_state: Optional[Dict[str, Any]] = None,
+                     save_optimizer_state: bool = True) -> Dict[str, Any]:
+    """The checkpoint dict (fairseq's keys) from :func:`gather_full_state`'s result on the
+    writer. fairseq's ``save_checkpoint`` adds ``train_iterator``, ``val_loss`` and ``best``
+    to ``extra_state``; the trainer adds fairseq's meters and training time."""
     from omegaconf import OmegaConf
 
-    full = gather_full_state(engine, model)
-    if full is not None:
-        sched = engine.lr_scheduler
-        ckpt = {
-            # a plain container, as fairseq's trainer saves it (loadable with weights_only)
-            "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg,
-            "args": None,
-            "model": full["model"],
-            "criterion": None,
-            "optimizer_history": [{
-                "criterion_name": criterion.__class__.__name__,
-                "optimizer_name": "DeepSpeedEngine",
-                "lr_scheduler_state": {"embrace_ds": _blob(sched.state_dict())} if sched is not None else {},
-                "num_updates": int(engine.global_steps),
-            }],
-            "task_state": {},
-            "extra_state": {
-                "train_iterator": iterator_state if iterator_state is not None else epoch_itr.state_dict(),
-                "val_loss": extra.get("val_loss"),
-                "best": extra.get("best_loss"),
-                "metrics": {},
-                "embrace_ds": {
-                    "world_size": collectives.world_size(),
-                    "global_steps": int(engine.global_steps),
-                    "global_samples": int(engine.global_samples),
-                    "skipped_steps": int(engine.skipped_steps),
-                    "rng_per_rank": full["rng"],
-                },
+    ckpt = {
+        # a plain container, as fairseq's trainer saves it (loadable with weights_only)
+        "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg,
+        "args": None,
+        "model": full["model"],
+        "criterion": None,
+        "optimizer_history": [{
+            "criterion_name": criterion.__class__.__name__,
+            "optimizer_name": "DeepSpeedEngine",
+            "lr_scheduler_state": lr_scheduler_state,
+            "num_updates": int(num_updates),
+        }],
+        "task_state": task_state or {},
+        "extra_state": {
+            "metrics": {},
+            "embrace_ds": {
+                "world_size": collectives.world_size(),
+                "global_steps": int(engine.global_steps),
+                "global_samples": int(engine.global_samples),
+                "skipped_steps": int(engine.skipped_steps),
+                "rng_per_rank": full["rng"],
             },
-            "last_optimizer_state": full["optimizer"],
-        }
-        del full
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        atomic_save(ckpt, path)  # temp file, fsync, rename, SHA-256 sidecar
-        logger.info("saved %s (epoch %d, %d updates)", path, epoch_itr.epoch, engine.global_steps)
-    collectives.barrier()
+        },
+    }
+    if save_optimizer_state:
+        ckpt["last_optimizer_state"] = full["optimizer"]
+    return ckpt
 
 
-def restore_path(cfg: Any) -> Optional[str]:
-    """The checkpoint to resume from: ``--restore-file`` (relative to ``--save-dir`` when it
-    is the default name), or None when it does not exist (a fresh start)."""
-    name = cfg.checkpoint.restore_file
-    path = os.path.join(cfg.checkpoint.save_dir, name) if name == "checkpoint_last.pt" else name
-    if os.path.exists(path):
-        return path
-    if name != "checkpoint_last.pt":
-        raise FileNotFoundError(f"--restore-file {path} does not exist")
-    return None
+def scheduler_state(engine: Any) -> Dict[str, Any]:
+    """DeepSpeed's LR scheduler state as the checkpoint keeps it (``{}`` without one)."""
+    sched = engine.lr_scheduler
+    return {"embrace_ds": _blob(sched.state_dict())} if sched is not None else {}
 
 
-def _load_optimizer(path: str, ckpt: Dict[str, Any], engine: Any, cfg: Any) -> None:
-    """DeepSpeed's optimizer, the shard optimizer and the LR schedule from ``ckpt``."""
+def load_scheduler_state(engine: Any, state: Dict[str, Any]) -> bool:
+    """Restore DeepSpeed's LR scheduler from :func:`scheduler_state`'s dict; False when
+    there is nothing to restore."""
+    if engine.lr_scheduler is None or "embrace_ds" not in (state or {}):
+        return False
+    engine.lr_scheduler.load_state_dict(_unblob(state["embrace_ds"], "LR scheduler state"))
+    return True
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """Every rank reads the file (``weights_only=True``); refuses truncated or corrupted
+    files and files naming code outside the allow-list."""
+    from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
+
+    # fairseq's meters and cfg travel in the file too (the trainer saves them)
+    return atomic_load(path, map_location="cpu", allowed_globals=checkpoint_globals() + fairseq_checkpoint_globals())
+
+
+def _load_optimizer(path: str, ckpt: Dict[str, Any], engine: Any) -> None:
+    """DeepSpeed's optimizer and the shard optimizer from ``ckpt``."""
     rank, world = collectives.rank(), collectives.world_size()
     hook = engine.embrace
     opt_state = ckpt.get("last_optimizer_state") or {}
@@ -200,31 +204,30 @@ def _load_optimizer(path: str, ckpt: Dict[str, Any], engine: Any, cfg: Any) -> N
         hook.optimizer_state_loaded()  # its fp32 masters came with it
     if hook.shard_optimizer is not None and opt_state.get("shards") is not None:
         hook.shard_optimizer.load_full_state_dict(opt_state["shards"])
-    sched = ckpt["optimizer_history"][-1].get("lr_scheduler_state") or {}
-    if engine.lr_scheduler is not None and not cfg.checkpoint.reset_lr_scheduler and "embrace_ds" in sched:
-        engine.lr_scheduler.load_state_dict(_unblob(sched["embrace_ds"], "LR scheduler state"))
 
 
-def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, epoch_itr: Any, cfg: Any) -> Dict[str, Any]:
-    """Restore weights, optimizer, LR schedule, counters, iterator position and RNG. Every
-    rank reads the file (``weights_only=True``) and keeps its rows. Without optimizer
-    state (``--reset-optimizer``) the fp32 master copies are refreshed from the loaded
-    weights at the first step. Returns the launcher's extra state."""
-    # refuses truncated/corrupted files, and files naming code outside the allow-list
-    ckpt = atomic_load(path, map_location="cpu", allowed_globals=checkpoint_globals())
+def restore(path: str, ckpt: Dict[str, Any], engine: Any, model: torch.nn.Module, reset_optimizer: bool = False) -> None:
+    """Weights (each rank keeps its rows), optimizer state, DeepSpeed's counters and each
+    rank's RNG from a checkpoint read by :func:`read_checkpoint`. Collective. Without
+    optimizer state (``reset_optimizer``) the fp32 master copies are refreshed from the
+    loaded weights at the first step."""
     model.load_state_dict(ckpt["model"], strict=True)  # marks the masters stale (engine hook)
     extra = ckpt.get("extra_state") or {}
     ds = extra.get("embrace_ds") or {}
     rank, world = collectives.rank(), collectives.world_size()
-    if not cfg.checkpoint.reset_optimizer:
-        _load_optimizer(path, ckpt, engine, cfg)
-    if not cfg.checkpoint.reset_dataloader and "train_iterator" in extra:
-        epoch_itr.load_state_dict(extra["train_iterator"])
-    engine.global_steps = int(ds.get("global_steps", ckpt["optimizer_history"][-1]["num_updates"]))
-    engine.global_samples = int(ds.get("global_samples", 0))
-    engine.skipped_steps = int(ds.get("skipped_steps", 0))
+    if not reset_optimizer:
+        _load_optimizer(path, ckpt, engine)
+        engine.global_steps = int(ds.get("global_steps", ckpt["optimizer_history"][-1]["num_updates"]))
+        engine.global_samples = int(ds.get("global_samples", 0))
+        engine.skipped_steps = int(ds.get("skipped_steps", 0))
     rng = ds.get("rng_per_rank")
     if rng is not None and len(rng) == world:
         _set_rng_state(_unblob(rng[rank], "RNG state"))
     collectives.barrier()
-    return {"best_loss": extra.get("best"), "val_loss": extra.get("val_loss")}
+
+
+def load_checkpoint(path: str, engine: Any, model: torch.nn.Module, reset_optimizer: bool = False) -> Dict[str, Any]:
+    """:func:`read_checkpoint` then :func:`restore`; returns the checkpoint's ``extra_state``."""
+    ckpt = read_checkpoint(path)
+    restore(path, ckpt, engine, model, reset_optimizer)
+    return ckpt.get("extra_state") or {}

@@ -91,6 +91,10 @@ class EmbraceEngineHook:
         if self.gate is not None:
             grad_glue.gate_tables(self)
         self._last_clip_scale = 1.0
+        #: ZeRO stage 0: the global gradient norm (dense and all shards) at the last
+        #: optimizer step, taken after the reduction (None in relaxed mode, where some
+        #: shard rows arrive later)
+        self.last_grad_norm: Optional[torch.Tensor] = None
         self._weights_loaded = False
         module.register_load_state_dict_post_hook(self._on_weights_loaded)
         grad_glue.trace_tables(self)
@@ -187,6 +191,7 @@ class EmbraceEngineHook:
         if boundary and self.reducer is not None:
             self.reducer.finish()
             self.check_gradients()
+            self.last_grad_norm = None if self.relaxed is not None else grad_glue.global_grad_norm(e)
         if not boundary or shard_opt is None:
             with tracer.phase("step", step=e.global_steps):
                 return step(*args, **kwargs)
@@ -207,7 +212,7 @@ class EmbraceEngineHook:
     @torch.no_grad()
     def clip_gradients(self) -> torch.Tensor:
         """DeepSpeed's clipping formula, with the norm taken over all ranks' shards."""
-        return grad_glue.clip_gradients(self.engine)
+        return grad_glue.clip_gradients(self.engine, self.last_grad_norm)
 
     # ------------------------------------------------------------------ master copies
     def _on_weights_loaded(self, module: Any, incompatible: Any) -> None:

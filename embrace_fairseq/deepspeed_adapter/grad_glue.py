@@ -3,7 +3,7 @@ extended by the shards, clipping over all ranks, and the exchange gate and trace
 set on the tables. Each function takes the hook (or the engine) it works for."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -64,13 +64,22 @@ def extend_zero_norm(hook: Any) -> None:
 
 
 @torch.no_grad()
-def clip_gradients(engine: Any) -> torch.Tensor:
-    """DeepSpeed's clipping formula, with the norm taken over all ranks' shards."""
+def global_grad_norm(engine: Any) -> torch.Tensor:
+    """The L2 norm of every gradient: the dense ones and all ranks' shards. Collective."""
     params = [p for p in engine.module.parameters() if p.grad is not None]
     dense = [p.grad.detach() for p in params if not is_sharded_param(p)]
     sharded = [p.grad.detach() for p in params if is_sharded_param(p)]
     dense_sq = sum((torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in dense), torch.zeros(()))
-    total = combine_norms(dense_sq.sqrt(), sharded_sq_norm(sharded))
+    return combine_norms(dense_sq.sqrt(), sharded_sq_norm(sharded))
+
+
+@torch.no_grad()
+def clip_gradients(engine: Any, total: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """DeepSpeed's clipping formula, with the norm taken over all ranks' shards
+    (``total``: that norm when already taken for these gradients)."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    if total is None:
+        total = global_grad_norm(engine)
     coef = torch.clamp(float(engine.gradient_clipping()) / (total + 1e-6), max=1.0)
     if params:
         torch._foreach_mul_([p.grad.detach() for p in params], coef.to(params[0].grad.device))

@@ -196,17 +196,13 @@ say "training $ARCH on $NGPUS $([[ $CPU == 1 ]] && echo 'CPU ranks' || echo GPUs
 if [[ "$LAUNCHER" == torchrun ]]; then
   "$(tool torchrun)" --nproc_per_node "$NGPUS" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" "${LAUNCH[@]}" \
     "$(tool fairseq-train)" "${TRAIN_ARGS[@]}" "${FAIRSEQ_ARGS[@]}" "${EXTRA[@]}"
-elif [[ "$CPU" == 1 ]]; then
-  # the deepspeed runner expects accelerators; on CPU ranks torchrun starts the same module
-  "$(tool torchrun)" --nproc_per_node "$NGPUS" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" "${LAUNCH[@]}" \
-    -m embrace_fairseq.deepspeed_adapter.train "${TRAIN_ARGS[@]}" "${EXTRA[@]}" --deepspeed-config "$DS_CONFIG"
-else
-  "$(tool deepspeed)" --num_gpus "$NGPUS" --master_port "$MASTER_PORT" "${LAUNCH[@]}" \
+else  # also on CPU ranks (DS_ACCELERATOR=cpu): --num_gpus is the number of local ranks
+  "$(tool deepspeed)" --num_gpus "$NGPUS" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" "${LAUNCH[@]}" \
     --module embrace_fairseq.deepspeed_adapter.train "${TRAIN_ARGS[@]}" "${EXTRA[@]}" --deepspeed-config "$DS_CONFIG"
 fi
 
 # ---------------------------------------------------------------- 4. translate and score
-CKPT="$SAVE_DIR/checkpoint_best.pt"          # fairseq-train validates; the DeepSpeed launcher does not
+CKPT="$SAVE_DIR/checkpoint_best.pt"          # both launchers validate (fairseq's loop)
 [[ -f "$CKPT" ]] || CKPT="$SAVE_DIR/checkpoint_last.pt"
 [[ -f "$CKPT" ]] || die "training wrote no checkpoint in $SAVE_DIR"
 say "translating test.$SRC with $CKPT"

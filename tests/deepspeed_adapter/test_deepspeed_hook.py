@@ -140,6 +140,7 @@ def test_example_configs_parse():
 def test_launcher_trains_and_generate_reads_checkpoint(tmp_path):
     """embrace-ds-train (via scripts/ds_train_cpu.sh, 2 CPU ranks) trains a tiny translation
     model; fairseq-generate --user-dir user_dir decodes with its checkpoint on one process."""
+    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -159,7 +160,8 @@ def test_launcher_trains_and_generate_reads_checkpoint(tmp_path):
         env=env, capture_output=True, text=True, timeout=400,
     )
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
-    assert "done: " in train.stdout + train.stderr
+    assert "done training" in train.stdout + train.stderr
+    assert re.search(r"\| valid \| epoch 002 \| .*loss [0-9.]+", train.stdout + train.stderr)  # fairseq's own lines
     gen = run_fairseq_tool("fairseq-generate", [str(data), "--path", str(tmp_path / "ckpt" / "checkpoint_last.pt"),
                                                 "--cpu", "--beam", "2", "--max-tokens", "1000", "--gen-subset", "test"])
     assert gen.returncode == 0, gen.stderr[-3000:]

@@ -2,7 +2,6 @@
 and resume that repeats the uninterrupted run exactly (real ranks via torchrun)."""
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from fairseq_corpus import fairseq_env, make_lm_corpus, run_fairseq_tool  # noqa: E402
+from fairseq_corpus import fairseq_env, losses_by_update, make_lm_corpus, parse_json_records, run_fairseq_tool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LM = ["--task", "language_modeling", "--arch", "embrace_transformer_lm", "--share-decoder-input-output-embed",
@@ -20,7 +19,9 @@ TINY_LM = ["--task", "language_modeling", "--arch", "embrace_transformer_lm", "-
            "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--max-tokens", "256",
            "--optimizer", "adam", "--lr", "0.002", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
            "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "3", "--clip-norm", "0.5", "--dropout", "0.1",
-           "--log-interval", "1", "--seed", "3"]
+           "--log-interval", "1", "--log-format", "json", "--seed", "3"]
+#: more digits than fairseq's 3 in logged values: resumed losses are compared exactly
+PRECISION = {"EMBRACE_LOG_PRECISION": "12"}
 
 
 def _ds_config(tmp_path, stage=0, relaxed=False):
@@ -35,14 +36,14 @@ def _ds_config(tmp_path, stage=0, relaxed=False):
 
 def _train(data, save_dir, ds_config, extra, port, relaxed=False):
     env = dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent), DS_CONFIG=str(ds_config),
-               MASTER_PORT=str(port))
+               MASTER_PORT=str(port), **PRECISION)
     args = [a if not (relaxed and a == "0.5") else "0.0" for a in TINY_LM]  # --clip-norm
     out = subprocess.run([str(ROOT / "scripts" / "ds_train_cpu.sh"), "2", str(data), *args, "--save-dir", str(save_dir),
                           *extra], env=env, capture_output=True, text=True, timeout=500)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    losses = {int(u): float(v) for u, v in re.findall(r"\| update (\d+) \| loss ([0-9.e+-]+) \|", text)}
-    valid = [float(v) for v in re.findall(r"valid \| epoch \d+ \| update \d+ \| loss ([0-9.]+)", text)]
+    losses = losses_by_update(text)
+    valid = [float(r["valid_loss"]) for r in parse_json_records(text) if r["_tag"] == "valid"]
     return losses, valid, text
 
 
@@ -64,7 +65,7 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, stage, relaxed):
     _train(data, tmp_path / "b", ds, ["--max-update", "4", "--save-interval-updates", "4"], free_port(), relaxed)
     resumed, _, text = _train(data, tmp_path / "b", ds, ["--max-update", "8", "--save-interval-updates", "4"],
                               free_port(), relaxed)
-    assert "resumed from" in text, text[-3000:]
+    assert "Loaded checkpoint" in text, text[-3000:]
     assert sorted(resumed) == [5, 6, 7, 8], text[-3000:]
     for u in resumed:
         assert resumed[u] == pytest.approx(full[u], rel=1e-6, abs=0), (u, resumed, full)

@@ -1,6 +1,5 @@
 """embrace-ds-train with the vocab-parallel output layer ("output" in the "embrace" section)."""
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,8 @@ TINY_LM = ["--task", "language_modeling", "--arch", "embrace_transformer_lm", "-
            "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--max-tokens", "64",
            "--optimizer", "adam", "--lr", "0.003", "--dropout", "0", "--attention-dropout", "0",
            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-           "--log-interval", "1", "--seed", "3", "--max-update", "12", "--disable-validation", "--no-save"]
+           "--log-interval", "1", "--log-format", "json", "--seed", "3", "--max-update", "12", "--disable-validation",
+           "--no-save"]
 
 
 def test_output_key_is_validated():
@@ -33,12 +33,14 @@ def _train(data, tmp_path, output, port):
     path = tmp_path / f"ds_{output}.json"
     path.write_text(json.dumps(cfg))
     env = dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent), DS_CONFIG=str(path),
-               MASTER_PORT=str(port))
+               MASTER_PORT=str(port), EMBRACE_LOG_PRECISION="8")
     out = subprocess.run([str(ROOT / "scripts" / "ds_train_cpu.sh"), "2", str(data), *TINY_LM,
                           "--save-dir", str(tmp_path / output)], env=env, capture_output=True, text=True, timeout=500)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    return {int(u): float(v) for u, v in re.findall(r"\| update (\d+) \| loss ([0-9.e+-]+) \|", text)}, text
+    from fairseq_corpus import losses_by_update
+
+    return losses_by_update(text), text
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def test_launcher_load_refuses_a_malicious_checkpoint(tmp_path):
     path = tmp_path / "checkpoint_last.pt"
     torch.save({"model": {}, "extra_state": {"embrace_ds": Payload(str(marker))}}, path)
     with pytest.raises(UnsafeCheckpointError, match="nothing in it was executed"):
-        ck.load_checkpoint(str(path), engine=None, model=None, epoch_itr=None, cfg=None)
+        ck.load_checkpoint(str(path), engine=None, model=None)
     with pytest.raises(UnsafeCheckpointError):
         ck._unblob(ck._blob({"rng": Payload(str(marker))}))  # resume bytes inside a good file
     assert not marker.exists()

@@ -302,6 +302,40 @@ def run_fairseq_train(
     return run.check() if check else run
 
 
+def run_ds_train(
+    data: PathLike,
+    args: Sequence[str],
+    ds_config: PathLike,
+    nproc: int = 2,
+    *,
+    launcher: str = "deepspeed",
+    timeout: float = 600,
+    env: Optional[Mapping[str, str]] = None,
+    json_log: bool = True,
+) -> FairseqRun:
+    """Run ``scripts/ds_train_cpu.sh nproc data args`` (``embrace-ds-train`` on CPU ranks,
+    started by the ``deepspeed`` launcher or by ``torchrun``) and parse its log like
+    :func:`run_fairseq_train` (``--log-format json --log-interval 1`` unless given)."""
+    args = list(args)
+    if json_log:
+        if "--log-format" not in args:
+            args += ["--log-format", "json"]
+        if "--log-interval" not in args:
+            args += ["--log-interval", "1"]
+    cmd = [str(REPO_ROOT / "scripts" / "ds_train_cpu.sh"), str(nproc), str(data), *args]
+    child_env = fairseq_env({"EMBRACE_VENV": str(VENV_BIN.parent), "DS_CONFIG": str(ds_config),
+                             "MASTER_PORT": str(free_port()), "EMBRACE_LAUNCHER": launcher, **(env or {})})
+    proc = _run(cmd, cwd=None, env=child_env, timeout=timeout, check=False)
+    return FairseqRun(cmd, proc.returncode, proc.stdout, proc.stderr,
+                      parse_json_records(proc.stdout + "\n" + proc.stderr))
+
+
+def losses_by_update(text: str) -> Dict[int, float]:
+    """{update: logged loss} from the ``train_inner`` records of a ``--log-format json
+    --log-interval 1`` log (set ``EMBRACE_LOG_PRECISION`` for more than fairseq's 3 digits)."""
+    return {int(r["num_updates"]): float(r["loss"]) for r in parse_json_records(text) if r["_tag"] == "train_inner"}
+
+
 def run_fairseq_tool(
     tool: str,
     args: Sequence[str],
