@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import logging
 from typing import Any, Dict, List, Optional
 
@@ -108,7 +109,7 @@ def check_loads_as_stock(state: Dict[str, Any]) -> None:
 
 def export(src: str, dst: str, check: bool = True) -> Dict[str, Any]:
     """Read the EmbRace checkpoint ``src``, write the stock one ``dst``; returns the exported dict."""
-    import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers the architectures for the check)
+    importlib.import_module("embrace_fairseq.fairseq_adapter")  # registers the architectures for the check
     from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
     from embrace_fairseq.guards.atomic_io import atomic_save, verify
     from embrace_fairseq.guards.safe_load import load

@@ -48,3 +48,30 @@ def test_eval_bleu_trained_more_ranks(mt_data, world, flags, ours):
     """Briefly trained weights (hypotheses end at EOS, lengths differ by batch); 3 ranks
     with uneven shards, separate tables and an untied (sharded) or tied output layer."""
     _check(run_ranks(R.eval_bleu_validation, world, mt_data, flags, 60, ours, timeout_s=400), world)
+
+
+@pytest.mark.slow
+def test_fairseq_train_eval_bleu_matches_stock(mt_data, tmp_path):
+    """Real torchrun fairseq-train on 2 ranks with --eval-bleu and --best-checkpoint-metric
+    bleu: the valid lines (loss, BLEU) of the EmbRace architecture are the stock one's."""
+    from fairseq_corpus import run_fairseq_train
+
+    def train(arch, save):
+        return run_fairseq_train([
+            mt_data, "--task", "translation", "--arch", arch, *R.TINY, "--share-all-embeddings",
+            "--optimizer", "adam", "--lr", "0.01", "--max-tokens", "120", "--max-update", "12", "--seed", "3",
+            "--validate-interval-updates", "6", "--eval-bleu", "--eval-bleu-detok", "space",
+            "--eval-bleu-args", '{"beam": 2, "max_len_a": 1.2, "max_len_b": 3}',
+            "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+            "--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--num-workers", "0",
+            "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints", "--save-dir", str(save)],
+            nproc=2, env={"EMBRACE_LOG_PRECISION": "8"}, timeout=400).check()
+
+    stock, ours = train("transformer", tmp_path / "stock"), train("embrace_transformer", tmp_path / "ours")
+    keys = ("valid_loss", "valid_bleu")
+    s = [[float(r[k]) for k in keys] for r in stock.tagged("valid")]
+    o = [[float(r[k]) for k in keys] for r in ours.tagged("valid")]
+    assert len(s) >= 2 and len(o) == len(s)
+    for a, b in zip(s, o):
+        assert abs(a[0] - b[0]) <= 1e-4 * abs(a[0]) and abs(a[1] - b[1]) <= 1e-3, (s, o)
+    assert (tmp_path / "ours" / "checkpoint_best.pt").exists()
