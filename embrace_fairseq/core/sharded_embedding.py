@@ -7,9 +7,10 @@ the rows it needs with AlltoAll (:mod:`~embrace_fairseq.core.input_dist`,
 that ``.grad`` holds this rank's rows of the data-parallel *average* gradient: exactly
 what DDP would leave in a replicated table's ``.grad``.
 
-Why this module is a little over 400 lines: it is one class, the ``nn.Module`` face of
-every table operation (lookups, the full-table reads, the overlapped table exchange,
-state-dict resharding, layout changes), each method a few lines that call the dists;
+Why this module is close to 500 lines: it is one class, the ``nn.Module`` face of
+every table operation (lookups, the full-table reads, the evaluation replica, the
+overlapped table exchange, state-dict resharding, layout changes), each method a few
+lines that call the dists;
 splitting the class would scatter one object's state over several files. The
 module-level helpers at the end find and consolidate the tables of a model.
 """
