@@ -125,6 +125,7 @@ setup(
         "console_scripts": [
             "embrace-ds-train = embrace_fairseq.deepspeed_adapter.train:main",
             "embrace-prepare-data = embrace_fairseq.data_prep.__main__:main",
+            "embrace-export-stock = embrace_fairseq.tools.export_stock:main",
         ]
     },
 )

@@ -7,9 +7,10 @@ the rows it needs with AlltoAll (:mod:`~embrace_fairseq.core.input_dist`,
 that ``.grad`` holds this rank's rows of the data-parallel *average* gradient: exactly
 what DDP would leave in a replicated table's ``.grad``.
 
-Why this module is a little over 400 lines: it is one class, the ``nn.Module`` face of
-every table operation (lookups, the full-table reads, the overlapped table exchange,
-state-dict resharding, layout changes), each method a few lines that call the dists;
+Why this module is close to 500 lines: it is one class, the ``nn.Module`` face of
+every table operation (lookups, the full-table reads, the evaluation replica, the
+overlapped table exchange, state-dict resharding, layout changes), each method a few
+lines that call the dists;
 splitting the class would scatter one object's state over several files. The
 module-level helpers at the end find and consolidate the tables of a model.
 """
@@ -147,6 +148,8 @@ class ShardedEmbedding(nn.Module):
         self._table_grads: Optional[PendingTableGrads] = None
         self._pending_gather: Optional[Tuple[int, PendingGather]] = None  # (weight version at issue, gather)
         self._read_full_table = False  # a projection has read the table: lookups prefetch it
+        # evaluation replica: (weight version when gathered, full table), see eval_replica()
+        self._replica: Optional[Tuple[int, torch.Tensor]] = None
         self.set_table_overlap(overlap_table)
 
     # ------------------------------------------------------------------ shape info
@@ -191,18 +194,16 @@ class ShardedEmbedding(nn.Module):
 
     def forward_many(self, ids_list: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Look up several id tensors with a single exchange (e.g. source and target
-        tokens of a shared table). Collective when sharded."""
+        tokens of a shared table). Collective when sharded, except in evaluation, which
+        reads the local replica (:meth:`eval_replica`)."""
+        replica = self.eval_replica()
+        if replica is not None:
+            return [self._local_lookup(ids, replica) for ids in ids_list]
         if self._read_full_table:
             # the first lookup of a step starts the gather its output projection will wait for
             self.prefetch_table()
         if not self.is_sharded:
-            outs = []
-            for ids in ids_list:
-                bad = validate_ids(ids, self.num_embeddings)
-                if bad is not None:
-                    raise InvalidIdError(invalid_id_message(bad, self.num_embeddings, self.rank))
-                outs.append(F.embedding(ids, self.weight, self.padding_idx))
-            return outs
+            return [self._local_lookup(ids, self.weight) for ids in ids_list]
         flat = torch.cat([ids.reshape(-1) for ids in ids_list]) if len(ids_list) > 1 else ids_list[0].reshape(-1)
         xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger)
         if self.relaxed is not None:
@@ -216,6 +217,12 @@ class ShardedEmbedding(nn.Module):
             outs.append(rows[offset : offset + n].view(*ids.shape, self.embedding_dim))
             offset += n
         return outs
+
+    def _local_lookup(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        bad = validate_ids(ids, self.num_embeddings)
+        if bad is not None:
+            raise InvalidIdError(invalid_id_message(bad, self.num_embeddings, self.rank))
+        return F.embedding(ids, table, self.padding_idx)
 
     def prefetch(self, *ids_list: torch.Tensor) -> None:
         """Run one joint exchange now; the next ``forward`` of each of these exact
@@ -232,9 +239,14 @@ class ShardedEmbedding(nn.Module):
 
         With the table overlap on, the gather is the one :meth:`prefetch_table` started
         (or starts now), and the backward only issues the reduce-scatter: call
-        :meth:`finish_pending` before reading ``.grad``."""
+        :meth:`finish_pending` before reading ``.grad``.
+
+        In evaluation it is the local replica (:meth:`eval_replica`): no collective."""
         if not self.is_sharded:
             return self.weight
+        replica = self.eval_replica()
+        if replica is not None:
+            return replica
         if not self._overlapping():
             if self.relaxed is not None:
                 self.relaxed.before_full_read(self)
@@ -249,6 +261,37 @@ class ShardedEmbedding(nn.Module):
             pending.wait()
             pending = PendingGather(self.weight, self.plan, self._gather_group, ledgers_for(self.ledger))
         return PrefetchedTable.apply(self.weight, pending, self._table_grads)
+
+    # ------------------------------------------------------------------ evaluation replica
+    def eval_replica(self) -> Optional[torch.Tensor]:
+        """The full table for reads in evaluation, or None outside it.
+
+        Evaluation is the module in eval mode with gradients off (fairseq's validation,
+        ``--eval-bleu`` generation, ``fairseq-validate``). The first read there gathers
+        the table once (a collective: the first evaluation forward, which every rank
+        runs, as each rank runs every validation batch or a dummy one); every later
+        lookup and output projection reads the replica locally, so decoding, whose
+        number of steps differs by rank, issues no collective. The replica is dropped
+        when the module goes back to training (:meth:`train`), and re-gathered if the
+        shard changed since (a load): it never serves stale rows.
+        """
+        if self.training or torch.is_grad_enabled() or not self.is_sharded:
+            return None
+        if self._replica is None or self._replica[0] != self.weight._version:
+            self._replica = None
+            full = self.full_weight()  # collective; after pending relaxed rows are applied
+            self._replica = (self.weight._version, full)
+        return self._replica[1]
+
+    def drop_replica(self) -> None:
+        """Forget the evaluation replica (no communication)."""
+        self._replica = None
+
+    def train(self, mode: bool = True) -> "ShardedEmbedding":
+        # back to training: the next optimizer step changes the shard, the replica goes
+        if mode:
+            self.drop_replica()
+        return super().train(mode)
 
     # ------------------------------------------------------------------ overlapped table exchange
     def set_table_overlap(self, enabled: bool) -> None:
@@ -300,6 +343,7 @@ class ShardedEmbedding(nn.Module):
         self._drop_prefetched_table()
 
     def _drop_prefetched_table(self) -> None:
+        self.drop_replica()  # called wherever the shard is replaced (loads, layout changes)
         if self._pending_gather is not None:
             self._pending_gather[1].wait()  # every rank issued it: completes without new collectives
             self._pending_gather = None

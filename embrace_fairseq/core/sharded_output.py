@@ -68,7 +68,15 @@ class VocabParallelOutput:
         self.chooser = OutputChooser(self.output_mode, name) if on else None
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
-        return F.linear(features, self.output_table().gathered_weight())
+        weight = self.output_table().gathered_weight()
+        if features.dim() > 2 and not weight.requires_grad:
+            # torch folds (B, T, D) @ W^T into one matrix product only when W requires
+            # grad; for a weight that does not (the evaluation replica) and transposed
+            # features (the decoder's) it runs a batched product over B copies of W,
+            # several times slower. Fold here, as it does for a parameter.
+            flat = F.linear(features.reshape(-1, features.shape[-1]), weight)
+            return flat.view(*features.shape[:-1], weight.shape[0])
+        return F.linear(features, weight)
 
     def project(self, features: torch.Tensor):
         if self.chooser is not None and self.training and torch.is_grad_enabled():

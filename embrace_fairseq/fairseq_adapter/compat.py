@@ -32,6 +32,11 @@ there too:
    (``--distributed-init-method tcp://... --distributed-rank R``) have no agent to stop
    them when another rank dies; :mod:`embrace_fairseq.guards.watchdog` does
    (``EMBRACE_PEER_TIMEOUT_S``).
+6. ``numpy.compat`` under numpy 2 (:func:`_numpy_compat_long`). fairseq reads
+   ``np.compat.long`` (numpy 1.x: the builtin ``int``) in ``TokenBlockDataset`` with
+   ``--sample-break-mode eos`` (language-model sampling and scoring by sentence) and in
+   bucketed ``LanguagePairDataset``; numpy 2 removed the module. A module holding only
+   ``long = int`` is provided where numpy has none; numpy 1.x keeps its own.
 """
 from __future__ import annotations
 
@@ -357,8 +362,26 @@ def _wrap_distributed_init(orig: Callable) -> Callable:
     return _mark(distributed_init)
 
 
+def _numpy_compat_long() -> None:
+    import types
+
+    import numpy as np
+
+    try:
+        import numpy.compat  # noqa: F401  (numpy 1.x: fairseq's own reference works)
+        return
+    except ImportError:
+        pass
+    shim = types.ModuleType("numpy.compat", "numpy 1.x's numpy.compat.long (= int), which fairseq reads")
+    shim.long = int
+    setattr(shim, _MARK, True)
+    np.compat = shim
+    sys.modules["numpy.compat"] = shim
+
+
 def apply() -> None:
     """Install the fixes (idempotent). Needs fairseq to be importable."""
+    _numpy_compat_long()
     import fairseq.distributed.utils as du
     import fairseq.models.distributed_fairseq_model as dfm
 

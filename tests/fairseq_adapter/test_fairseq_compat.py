@@ -319,3 +319,16 @@ def test_eval_tools_load_checkpoints(legacy_run: Dict[str, object], corpus: Path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert any(line.startswith("H-") for line in proc.stdout.splitlines())
+
+
+def test_numpy_compat_long_for_token_blocks() -> None:
+    """fairseq's TokenBlockDataset with --sample-break-mode eos (language-model sampling)
+    reads numpy.compat.long, which numpy 2 removed; with the user dir it builds."""
+    import numpy as np
+    from fairseq.data import TokenBlockDataset
+
+    compat.apply()
+    assert np.compat.long is int
+    docs = [torch.tensor([5, 6, 2]), torch.tensor([7, 2]), torch.tensor([8, 9, 10, 2])]
+    blocks = TokenBlockDataset(docs, np.array([3, 2, 4]), block_size=None, pad=1, eos=2, break_mode="eos")
+    assert [blocks[i].tolist() for i in range(len(blocks))] == [d.tolist() for d in docs]
