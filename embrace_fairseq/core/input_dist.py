@@ -11,7 +11,7 @@ right after that collective instead of hanging in the next one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, ContextManager, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ class ExchangePlan:
     # set by a table under the relaxed embedding dependency: its backward splits the rows
     relaxed: Optional[Any] = None
     table: Optional[Any] = None
+    # the table's gradient-exchange scope (ShardedEmbedding.set_grad_exchange_scope): the
+    # backward runs its exchange inside ``grad_scope()``, once per exchange
+    grad_scope: Optional[Callable[[], ContextManager[None]]] = None
 
 
 def plan_exchange(

@@ -7,6 +7,7 @@ data-parallel average convention.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -65,9 +66,12 @@ class ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_unique: torch.Tensor):  # type: ignore[override]
-        if ctx.xp.relaxed is not None:
-            grad = ctx.xp.relaxed.push_grad_rows(ctx.xp.table, grad_unique, ctx.xp, ctx.shard_rows, ctx.scale,
-                                                 ctx.padding_local)
-        else:
-            grad = push_grad_rows(grad_unique, ctx.xp, ctx.shard_rows, ctx.scale, ctx.padding_local)
+        # one backward, one exchange: whoever waits for it (a schedule's gate) sees it
+        # begin and end here exactly once, however many outputs the lookup served
+        with ctx.xp.grad_scope() if ctx.xp.grad_scope is not None else contextlib.nullcontext():
+            if ctx.xp.relaxed is not None:
+                grad = ctx.xp.relaxed.push_grad_rows(ctx.xp.table, grad_unique, ctx.xp, ctx.shard_rows, ctx.scale,
+                                                     ctx.padding_local)
+            else:
+                grad = push_grad_rows(grad_unique, ctx.xp, ctx.shard_rows, ctx.scale, ctx.padding_local)
         return grad, None, None, None

@@ -17,7 +17,7 @@ module-level helpers at the end find and consolidate the tables of a model.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import weakref
 
@@ -150,6 +150,7 @@ class ShardedEmbedding(nn.Module):
         self._read_full_table = False  # a projection has read the table: lookups prefetch it
         # evaluation replica: (weight version when gathered, full table), see eval_replica()
         self._replica: Optional[Tuple[int, torch.Tensor]] = None
+        self._grad_exchange_scope: Optional[Callable[[], ContextManager[None]]] = None
         self.set_table_overlap(overlap_table)
 
     # ------------------------------------------------------------------ shape info
@@ -209,6 +210,7 @@ class ShardedEmbedding(nn.Module):
         if self.relaxed is not None:
             self.relaxed.before_lookup(self, xp.requested_local)
             xp.relaxed, xp.table = self.relaxed, self
+        xp.grad_scope = self._grad_exchange_scope
         unique_rows = ShardedLookup.apply(self.weight, xp, self.grad_scale, self._padding_local)
         rows = native_ops.expand_rows(unique_rows, xp.inverse)  # backward sums rows per unique id
         outs, offset = [], 0
@@ -223,6 +225,15 @@ class ShardedEmbedding(nn.Module):
         if bad is not None:
             raise InvalidIdError(invalid_id_message(bad, self.num_embeddings, self.rank))
         return F.embedding(ids, table, self.padding_idx)
+
+    def set_grad_exchange_scope(self, scope: Optional[Callable[[], ContextManager[None]]]) -> None:
+        """Run each backward exchange of looked-up rows' gradients inside ``scope()``
+        (``None``: nothing around it). Entered exactly once per exchange: one per
+        :meth:`forward_many` call, however many outputs it served (a joint lookup of
+        encoder and decoder tokens is one exchange), and left when the shard gradient
+        of that exchange is computed, even on an error. Lookups made before the call
+        keep the scope they were made with."""
+        self._grad_exchange_scope = scope
 
     def prefetch(self, *ids_list: torch.Tensor) -> None:
         """Run one joint exchange now; the next ``forward`` of each of these exact

@@ -83,6 +83,15 @@ class Tracer:
         if self.enabled:
             self._add(name, "compute", start_us, end_us, COMPUTE_TID, args)
 
+    def instant(self, name: str, **args: Any) -> None:
+        """A point in time on the compute track (category ``mark``: no interval, it
+        takes no part in the hidden share)."""
+        if self.enabled:
+            ev = {"name": name, "cat": "mark", "ph": "i", "s": "t", "ts": _now_us() - self._t0,
+                  "pid": self.rank, "tid": COMPUTE_TID, "args": args}
+            with self._lock:
+                self._events.append(ev)
+
     def collective(self, kind: str, nbytes: int, start_us: float, end_us: float, tid: int = COMM_TID, **args: Any) -> None:
         """One collective, from issue to completion."""
         if self.enabled:

@@ -88,8 +88,6 @@ class EmbraceEngineHook:
         for emb in self.tables:  # model level of the schedule for a tied table's full exchange
             emb.set_table_overlap(config.overlap and self.relaxed is None)
         self._names = {id(p): n for n, p in module.named_parameters()}
-        if self.gate is not None:
-            grad_glue.gate_tables(self)
         self._last_clip_scale = 1.0
         #: ZeRO stage 0: the global gradient norm (dense and all shards) at the last
         #: optimizer step, taken after the reduction (None in relaxed mode, where some
@@ -98,6 +96,7 @@ class EmbraceEngineHook:
         self._weights_loaded = False
         module.register_load_state_dict_post_hook(self._on_weights_loaded)
         grad_glue.trace_tables(self)
+        grad_glue.scope_grad_exchanges(self)
         self._wrap_engine()
         self._closed = False
         if config.trace is not None:

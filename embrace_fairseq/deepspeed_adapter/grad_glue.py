@@ -3,7 +3,8 @@ extended by the shards, clipping over all ranks, and the exchange gate and trace
 set on the tables. Each function takes the hook (or the engine) it works for."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -86,29 +87,9 @@ def clip_gradients(engine: Any, total: Optional[torch.Tensor] = None) -> torch.T
     return total
 
 
-def gate_tables(hook: Any) -> None:
-    """Close the gate when a table's looked-up rows get their gradient (the exchange
-    starts), open it when the shard gradient is accumulated (it ended)."""
-    gate = hook.gate
-    assert gate is not None
-
-    def arrived(g: torch.Tensor) -> torch.Tensor:
-        if hook._reducing_backward():
-            gate.enter()
-            torch.autograd.Variable._execution_engine.queue_callback(gate.release_all)
-        return g
-
-    def post(module: ShardedEmbedding, inputs: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(arrived)
-
-    for emb in hook.tables:
-        if emb.is_sharded:
-            emb.register_forward_hook(post)
-            emb.weight.register_post_accumulate_grad_hook(lambda p: gate.leave())
-
-
 def trace_tables(hook: Any) -> None:
+    """Tracing on: each table records its exchanges into a :class:`TracingLedger`; a
+    forward exchange starts at the module's forward (the backward one: :func:`scope_grad_exchanges`)."""
     if not hook.tracer.enabled:
         return
     for emb in hook.tables:
@@ -118,10 +99,31 @@ def trace_tables(hook: Any) -> None:
         def pre(module: ShardedEmbedding, inputs: Any, ledger: TracingLedger = ledger) -> None:
             ledger.mark()
 
-        def post(module: ShardedEmbedding, inputs: Any, output: Any, ledger: TracingLedger = ledger) -> None:
-            # the gradient of the looked-up rows arriving starts the backward exchange
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda g: (ledger.mark(), g)[1])
-
         emb.register_forward_pre_hook(pre)
-        emb.register_forward_hook(post)
+
+
+def scope_grad_exchanges(hook: Any) -> None:
+    """Around each gradient exchange of a table's looked-up rows -- once per exchange,
+    whatever number of outputs the lookup served (encoder and decoder tokens of a shared
+    table are one exchange) or of lookups the shard gradient sums: the trace marks its
+    start, and in a reducing backward the exchange gate is closed for it (entered when
+    it begins, left when it ended). Call after :func:`trace_tables`."""
+    gate = hook.gate
+    for emb in hook.tables:
+        ledger = emb.ledger if isinstance(emb.ledger, TracingLedger) else None
+        if not emb.is_sharded or (gate is None and ledger is None):
+            continue
+
+        @contextlib.contextmanager
+        def scope(ledger: Optional[TracingLedger] = ledger) -> Iterator[None]:
+            if gate is None or not hook._reducing_backward():
+                if ledger is not None:
+                    ledger.mark()
+                yield
+                return
+            with gate.exchange():
+                if ledger is not None:
+                    ledger.mark()
+                yield
+
+        emb.set_grad_exchange_scope(scope)

@@ -43,19 +43,28 @@ from embrace_fairseq.core.trace import Tracer
 
 class ExchangeGate:
     """The embedding exchange as the first item of the schedule: while a table's gradient
-    exchange is in flight (entered when its rows' gradient arrives in backward, left when
-    the shard gradient is accumulated), no new dense piece is issued, so the exchange
-    the next forward needs first does not queue behind them. Pieces already issued
-    complete; the per-group issue order is unchanged. The gate's lock guards only its
-    counters and is never held across a collective: a piece being issued holds an
-    *issue slot* (a counter), and an exchange that starts meanwhile waits on the
-    condition until the (asynchronous) issue returned."""
+    exchange is in flight, no new dense piece is issued, so the exchange the next
+    forward needs first does not queue behind them. Pieces already issued complete; the
+    per-group issue order is unchanged.
+
+    Exactly one :meth:`enter` and one :meth:`leave` per exchange: use :meth:`exchange`
+    around the exchange itself (a table's gradient-exchange scope, see
+    ``ShardedEmbedding.set_grad_exchange_scope``), not around what it serves -- a table
+    read by encoder and decoder has two looked-up outputs and one shard gradient, and
+    pairing enters with either would leave the gate closed for the rest of backward.
+    :attr:`entered` and :attr:`left` count both, for checks.
+
+    The gate's lock guards only its counters and is never held across a collective: a
+    piece being issued holds an *issue slot* (a counter), and an exchange that starts
+    meanwhile waits on the condition until the (asynchronous) issue returned."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy = 0
         self._issuing = 0
         self._listeners: List[Callable[[], None]] = []
+        self.entered = 0  # exchanges begun, ever
+        self.left = 0  # exchanges ended, ever
 
     @property
     def busy(self) -> bool:
@@ -71,21 +80,27 @@ class ExchangeGate:
             while self._issuing:
                 self._cond.wait()
             self._busy += 1
+            self.entered += 1
 
     def leave(self) -> None:
         with self._cond:
-            if self._busy > 0:
-                self._busy -= 1
+            if self._busy == 0:
+                raise RuntimeError("ExchangeGate.leave() without a matching enter()")
+            self._busy -= 1
+            self.left += 1
             opened = self._busy == 0
             self._cond.notify_all()
         if opened:
             self._opened()
 
-    def release_all(self) -> None:
-        with self._cond:
-            self._busy = 0
-            self._cond.notify_all()
-        self._opened()
+    @contextlib.contextmanager
+    def exchange(self):
+        """One exchange: closed (entered) for the body, left after it, also on an error."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
 
     def _opened(self) -> None:
         for fn in list(self._listeners):
@@ -223,6 +238,9 @@ class ScheduledAllReduce:
                 self._events[b].set()
 
     def _end_of_backward(self) -> None:
+        # every gradient of this backward is computed: pieces issued before this point
+        # overlapped the backward
+        self.tracer.instant("gradients_ready")
         self._mark_all()
         if not self.overlap:
             return

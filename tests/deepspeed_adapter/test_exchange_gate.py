@@ -1,0 +1,54 @@
+"""The exchange gate on the tied translation model (``embrace_transformer`` with
+``--share-all-embeddings``) under the DeepSpeed hook, in 2 real gloo ranks.
+
+One table serves the encoder and decoder lookups (one joint exchange) and the tied
+output projection. The gate must be entered and left exactly once per gradient
+exchange: then it is closed only while the exchange runs, the encoder's dense pieces
+go out during the encoder's backward, and it is open at the end of every step.
+"""
+import os
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("fairseq")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import rank_fns_gate as R  # noqa: E402
+from embrace_fairseq.tools.local_ranks import run_ranks  # noqa: E402
+
+
+def _steps(events):
+    """Per step (one backward each): (time every gradient was ready, issue times of the
+    dense pieces of that step by bucket)."""
+    backward = sorted(e["ts"] for e in events if e["name"] == "backward")
+    bounds = backward + [float("inf")]
+    steps = []
+    for s, nxt in zip(bounds, bounds[1:]):
+        ready = [e["ts"] for e in events if e["name"] == "gradients_ready" and s <= e["ts"] < nxt]
+        pieces = [(e["ts"], e["args"]["bucket"]) for e in events if e["name"] == "dense_grad" and s <= e["ts"] < nxt]
+        assert len(ready) == 1, (s, ready)
+        steps.append((ready[0], pieces))
+    return steps
+
+
+# default run: ~12 s on 2 idle cores (one DeepSpeed start-up per rank)
+def test_tied_translation_gate_opens_for_the_encoder(tmp_path):
+    results = run_ranks(R.gate_run, 2, str(tmp_path / "gate"), timeout_s=300, pg_timeout_s=120)
+    for rank, res in enumerate(results):
+        # one exchange per step (the joint lookup), entered once and left once
+        assert res["after_step"] == [{"open": True, "entered": k, "left": k} for k in range(1, R.STEPS + 1)], \
+            (rank, res["after_step"])
+        encoder = {b for b, names in res["buckets"].items() if all(n.startswith("encoder.") for n in names)}
+        assert encoder, res["buckets"]
+        steps = _steps(res["events"])
+        assert len(steps) == R.STEPS
+        early = [sum(1 for ts, b in pieces if b in encoder and ts < ready) for ready, pieces in steps]
+        # the encoder's pieces start while its backward runs, not after the last gradient
+        # (the margin is the encoder's lower layers' backward: most steps, not all, on a loaded machine)
+        assert sum(1 for n in early if n > 0) * 2 >= len(early), (rank, early)
+        # and never while the exchange is in flight
+        exch = [(e["ts"], e["ts"] + e["dur"]) for e in res["events"] if e["name"] == "grad_rows"]
+        assert len(exch) >= R.STEPS
+        dense = [e["ts"] for e in res["events"] if e["name"] == "dense_grad"]
+        assert not [t for t in dense for s, end in exch if s < t < end], rank
