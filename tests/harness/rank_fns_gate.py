@@ -1,10 +1,14 @@
 """Per-rank body of the exchange-gate test: the tied translation model (``embrace_transformer``
 with ``--share-all-embeddings``, tiny sizes) under the DeepSpeed hook, in real gloo ranks.
 
-One table serves the encoder lookup, the decoder lookup (one joint exchange) and the
-tied output projection. Each rank trains a few steps, records after each step whether
-the exchange gate is open and how often it was entered and left, and returns the trace
-events of the dense all-reduce with the names of the parameters in each bucket.
+One table serves the encoder lookup, the decoder lookup and the tied output projection.
+Two variants: ``joint`` (the architecture as it is: one exchange for both lookups) and
+``separate`` (the same model looking the source and target tokens up one after the
+other, as ``TransformerModel.forward`` does: two exchanges, the decoder's first in
+backward, before the whole encoder's backward). Each rank trains a few steps per
+variant, records after each step whether the exchange gate is open and how often it was
+entered and left, and returns the trace events with the names of the parameters in
+each dense bucket.
 """
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ from typing import Any, Dict, List
 import torch
 import torch.nn.functional as F
 
-VOCAB, STEPS, BATCH, SRC_LEN, TGT_LEN = 60, 5, 8, 24, 8
+VOCAB, STEPS, BATCH, SRC_LEN, TGT_LEN = 60, 4, 8, 24, 8
+#: exchanges per step in each variant
+EXCHANGES = {"joint": 1, "separate": 2}
 
 
-def _tied_translation_model():
+def _tied_translation_model(variant: str):
     from fairseq.data import Dictionary
     from fairseq.models.transformer import base_architecture
 
@@ -34,17 +40,26 @@ def _tied_translation_model():
     base_architecture(args)
     task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
     torch.manual_seed(7)
-    return EmbraceTransformerModel.build_model(args, task), d
+    model = EmbraceTransformerModel.build_model(args, task)
+    if variant == "separate":
+        from fairseq.models.transformer import TransformerModel
+
+        model.forward = lambda *a, **k: TransformerModel.forward(model, *a, **k)  # no joint lookup
+    return model, d
 
 
 def gate_run(rank: int, world: int, trace_prefix: str) -> Dict[str, Any]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     torch.set_num_threads(1)
+    return {variant: _train(variant, f"{trace_prefix}.{variant}") for variant in EXCHANGES}
+
+
+def _train(variant: str, trace_prefix: str) -> Dict[str, Any]:
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.deepspeed_adapter.engine_setup import dense_parameters
 
-    model, d = _tied_translation_model()
+    model, d = _tied_translation_model(variant)
     names = {id(p): n for n, p in model.named_parameters()}
     # one bucket per few tensors and credits for every piece: the static issue list is the
     # readiness order, so only the gate decides when a ready piece goes out
@@ -53,7 +68,7 @@ def gate_run(rank: int, world: int, trace_prefix: str) -> Dict[str, Any]:
     engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=cfg)
     hook = engine.embrace
     gate = hook.gate
-    g = torch.Generator().manual_seed(100 + rank)
+    g = torch.Generator().manual_seed(100 + int(os.environ["RANK"]))
     losses: List[float] = []
     after_step: List[Dict[str, Any]] = []
     for _ in range(STEPS):
