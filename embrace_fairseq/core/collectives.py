@@ -21,6 +21,7 @@ not block the host) and from the work's future on gloo.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -165,6 +166,19 @@ def barrier(group: Group = None) -> None:
 
 # --------------------------------------------------------------------------- asynchronous
 _SIDE_STREAMS: dict = {}
+_CLOCK_ANCHORS: dict = {}  # device -> (event, host time when it completed, us)
+
+
+def _clock_anchor(device: torch.device) -> Tuple[Any, float]:
+    """An event on ``device`` and the host time it completed: the origin for turning a
+    later event of the device into a time on :func:`time.perf_counter`'s clock. Taken
+    once per device (one synchronisation, on the first asynchronous collective)."""
+    if device not in _CLOCK_ANCHORS:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(device))
+        ev.synchronize()
+        _CLOCK_ANCHORS[device] = (ev, _now_us())
+    return _CLOCK_ANCHORS[device]
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -179,8 +193,16 @@ class Pending:
     :meth:`wait` makes its result usable where the caller runs (gloo: blocks the host;
     NCCL: orders the current stream after it, as torch does) and returns it;
     :meth:`synchronize` blocks the host until the collective has *finished* (a CUDA
-    event on CUDA devices), which is what a credit needs; :meth:`end_us` is its
-    completion time on :func:`time.perf_counter`'s clock (microseconds).
+    event on CUDA devices), which is what a credit needs.
+
+    Times, on :func:`time.perf_counter`'s clock in microseconds: :attr:`issued_us` when
+    it was issued; :meth:`end_us` when it *completed*, taken from the collective itself,
+    never from whoever looks: on CPU the work's future runs a callback at completion that
+    records the time; on CUDA an event recorded after the collective on a side stream,
+    placed on the host clock through a per-device anchor event (:func:`_clock_anchor`;
+    the future's callbacks of NCCL work run when the work is enqueued, not finished).
+    On CPU the callback needs the interpreter lock: while other Python threads run it can
+    be late by up to ``sys.getswitchinterval()`` (5 ms by default).
     """
 
     def __init__(self, launch: Callable[[], Any], device: torch.device,
@@ -190,11 +212,11 @@ class Pending:
         self._result: Any = None
         self._waited = False
         self._end: Optional[float] = None
+        self._ended = threading.Event()
         self._cuda = device.type == "cuda"
         if self._cuda:
-            self._start_ev = torch.cuda.Event(enable_timing=True)
+            self._anchor = _clock_anchor(device)
             self._end_ev = torch.cuda.Event(enable_timing=True)
-            self._start_ev.record()
         self.issued_us = _now_us()
         self._work = launch()
         if self._cuda:
@@ -208,6 +230,7 @@ class Pending:
 
     def _mark_end(self, _fut: Any) -> None:
         self._end = _now_us()
+        self._ended.set()
 
     def wait(self) -> Any:
         if not self._waited:
@@ -228,15 +251,16 @@ class Pending:
         return bool(self._end_ev.query()) if self._cuda else bool(self._work.is_completed())
 
     def end_us(self) -> float:
-        """When the collective finished (waits for it)."""
+        """When the collective completed (waits for it)."""
         self.synchronize()
         if self._cuda:
-            return self.issued_us + self._start_ev.elapsed_time(self._end_ev) * 1000.0
-        for _ in range(100):  # the future's callback runs right after the waiters wake
-            if self._end is not None:
-                return self._end
-            time.sleep(0.0001)
-        return _now_us()
+            anchor, anchor_us = self._anchor
+            return anchor_us + anchor.elapsed_time(self._end_ev) * 1000.0
+        # the future's callback runs at completion, at the latest right after the waiters wake
+        if not self._ended.wait(timeout=60.0):
+            raise RuntimeError("a completed collective's future never ran its completion callback")
+        assert self._end is not None
+        return self._end
 
 
 def all_reduce_async(tensor: torch.Tensor, group: Group = None) -> Pending:

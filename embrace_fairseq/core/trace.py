@@ -3,8 +3,14 @@
 Open ``<prefix>.rank<N>.json`` in https://ui.perfetto.dev or chrome://tracing.
 Compute phases (forward, backward, optimizer step) are on one track, collectives on
 another (kind, bytes, issue to completion). :meth:`Tracer.summary` reduces the timeline
-to bytes by kind and the share of communication time hidden behind computation.
-Framework-agnostic: callers mark phases and report collectives.
+to bytes by kind and the share of communication time hidden behind computation
+(:func:`hidden_share`, defined there). Framework-agnostic: callers mark phases and
+report collectives.
+
+A collective's interval runs from its issue to its completion as the collective itself
+reports it (:meth:`~embrace_fairseq.core.collectives.Pending.end_us`: the work's future
+on CPU, a CUDA event on CUDA devices), not from when a thread next looks at it.
+Compute phases are host intervals around the phase's code.
 """
 from __future__ import annotations
 
@@ -50,6 +56,36 @@ def _overlap(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> floa
         else:
             j += 1
     return total
+
+
+Interval = Tuple[float, float]
+
+
+def hidden_share(overlappable: List[Interval], blocking: List[Interval], compute: List[Interval]) -> Dict[str, float]:
+    """The share of communication time hidden behind computation, on one rank.
+
+    Let ``C`` be the union of every communication interval (issue to completion) --
+    ``overlappable`` ones (issued asynchronously: dense all-reduce pieces, table
+    collectives) and ``blocking`` ones (run on the compute thread itself: the embedding
+    exchanges, during which that thread computes nothing) -- ``A`` the union of the
+    overlappable ones, and ``B`` the union of the compute intervals (forward, backward,
+    step). Then::
+
+        comm    = |C|               communication time, concurrent collectives counted once
+        hidden  = |A ∩ B|           communication time during which compute ran
+        exposed = comm - hidden     communication time not overlapped with compute
+        hidden_share  = hidden / comm   (0 when there is no communication)
+        exposed_share = exposed / comm = 1 - hidden_share
+
+    A blocking exchange is never hidden even though it lies inside a compute phase.
+    Times in the unit of the intervals; pure.
+    """
+    comm = _union(list(overlappable) + list(blocking))
+    total = sum(e - s for s, e in comm)
+    hidden = _overlap(_union(list(overlappable)), _union(list(compute)))
+    share = hidden / total if total > 0 else 0.0
+    return {"comm": total, "hidden": hidden, "exposed": total - hidden, "hidden_share": share,
+            "exposed_share": (1.0 - share) if total > 0 else 0.0}
 
 
 class Tracer:
@@ -131,8 +167,9 @@ class Tracer:
     def summary(self) -> Dict[str, Any]:
         """Bytes and time by kind, and how much communication time overlapped compute.
 
-        ``hidden_share`` = |comm ∩ compute| / |comm| over the union of intervals; the
-        embedding exchanges run on the compute thread, so they count as exposed.
+        ``hidden_share`` / ``exposed_share`` / ``comm_seconds`` / ``hidden_seconds`` /
+        ``exposed_seconds``: :func:`hidden_share` over the whole trace; the embedding
+        exchanges run on the compute thread, so they count as exposed.
         ``dense_started_in_backward``: dense collectives issued before their backward ended.
         """
         comm = self.events("comm")
@@ -146,11 +183,9 @@ class Tracer:
             by_kind_time[k] += e["dur"] / 1e6
             by_kind_calls[k] += 1
         # hide behind compute only on other threads: the exchange blocks compute itself
-        async_comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm if e["tid"] != EXCHANGE_TID])
-        all_comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
-        busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute])
-        comm_total = sum(e - s for s, e in all_comm)
-        hidden = _overlap(async_comm, busy)
+        share = hidden_share([(e["ts"], e["ts"] + e["dur"]) for e in comm if e["tid"] != EXCHANGE_TID],
+                             [(e["ts"], e["ts"] + e["dur"]) for e in comm if e["tid"] == EXCHANGE_TID],
+                             [(e["ts"], e["ts"] + e["dur"]) for e in compute])
         backward = [(e["ts"], e["ts"] + e["dur"]) for e in compute if e["name"] == "backward"]
         started_in_bwd = 0
         for e in comm:
@@ -160,9 +195,11 @@ class Tracer:
             "bytes_by_kind": dict(by_kind_bytes),
             "seconds_by_kind": dict(by_kind_time),
             "calls_by_kind": dict(by_kind_calls),
-            "comm_seconds": comm_total / 1e6,
-            "hidden_seconds": hidden / 1e6,
-            "hidden_share": (hidden / comm_total) if comm_total > 0 else 0.0,
+            "comm_seconds": share["comm"] / 1e6,
+            "hidden_seconds": share["hidden"] / 1e6,
+            "exposed_seconds": share["exposed"] / 1e6,
+            "hidden_share": share["hidden_share"],
+            "exposed_share": share["exposed_share"],
             "dense_collectives": sum(1 for e in comm if e["tid"] == COMM_TID),
             "dense_started_in_backward": started_in_bwd,
         }

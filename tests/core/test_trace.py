@@ -100,3 +100,28 @@ def test_tracing_ledger_turns_records_into_exchange_events():
         ("ids", EXCHANGE_TID, 12, 8), ("rows", EXCHANGE_TID, 48, 32)]
     # the second exchange starts where the first ended
     assert evs[1]["ts"] == pytest.approx(evs[0]["ts"] + evs[0]["dur"])
+
+
+def test_hidden_share_definition_by_hand():
+    """comm = |union of all|, hidden = |overlappable ∩ compute|, exposed = comm - hidden."""
+    from embrace_fairseq.core.trace import hidden_share
+
+    got = hidden_share([(0, 10), (5, 15), (30, 40)], [(18, 20)], [(0, 8), (12, 35)])
+    # union of comm: [0, 15) + [18, 20) + [30, 40) = 27; overlappable ∩ compute: 8 + 3 + 5 = 16
+    assert got == pytest.approx({"comm": 27, "hidden": 16, "exposed": 11, "hidden_share": 16 / 27,
+                                 "exposed_share": 11 / 27})
+    assert hidden_share([], [], [(0, 1)])["hidden_share"] == 0.0
+
+
+# default run: ~4 s (2 spawned gloo ranks, 1 s of sleeps)
+def test_hidden_share_of_a_known_sleep_pattern():
+    """Real gloo collectives whose durations the other rank sets by sleeping, a compute
+    phase of known length, completion read late: the metric equals the hand-computed
+    value (end times come from the collective's completion, not from the late read)."""
+    import rank_fns_timing as T
+    from embrace_fairseq.tools.local_ranks import run_ranks
+
+    got = run_ranks(T.sleep_pattern, 2, timeout_s=120)[0]
+    assert got["comm_seconds"] == pytest.approx(T.D1 + T.D2, abs=0.05), got
+    assert got["hidden_seconds"] == pytest.approx(min(T.C, T.D1), abs=0.03), got
+    assert got["hidden_share"] == pytest.approx(T.EXPECTED_SHARE, abs=0.05), got
