@@ -26,6 +26,7 @@ import copy
 import torch
 from typing import Any, Mapping, Optional, Union
 
+from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
 from embrace_fairseq.deepspeed_adapter.config import (
     EmbraceConfig,
     EmbraceConfigError,
@@ -85,6 +86,7 @@ def initialize(
         client = kwargs.get("optimizer")
         if isinstance(client, torch.optim.Optimizer):
             shard_groups = strip_shards_from_optimizer(client)
+    skip_shm_allreduce()  # before DeepSpeed's comm layer starts (see cpu_comm)
     with shards_kept_out_of_broadcast():
         out = deepspeed.initialize(model=model, config=ds_config, args=args, **kwargs)
     engine = out[0]

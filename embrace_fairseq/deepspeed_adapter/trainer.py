@@ -164,6 +164,9 @@ def _init_deepspeed_comm(cpu: bool) -> None:
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+    from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
+
+    skip_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
 
 

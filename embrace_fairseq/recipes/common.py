@@ -104,6 +104,14 @@ def versions() -> Dict[str, str]:
     return out
 
 
+def eta(elapsed_s: float, done: int, total: int) -> str:
+    """``"ETA 3m20s"`` from the mean pace so far (validation pauses included)."""
+    if done <= 0 or total <= done:
+        return "ETA 0s" if total <= done else "ETA -"
+    left = int(round(elapsed_s / done * (total - done)))
+    return f"ETA {left // 60}m{left % 60:02d}s" if left >= 60 else f"ETA {left}s"
+
+
 def progress_printer(prefix: str, total_updates: int) -> Callable[[str], None]:
     """Print a compact progress line for fairseq's per-update and validation records."""
     start = time.time()
@@ -122,8 +130,9 @@ def progress_printer(prefix: str, total_updates: int) -> Callable[[str], None]:
         if name == "train_inner":
             n = int(rec["num_updates"])
             if n % 10 == 0 or n == total_updates:
+                elapsed = time.time() - start
                 print(f"{prefix} update {n}/{total_updates} loss {rec['loss']} wps {rec.get('wps')} "
-                      f"({time.time() - start:.0f}s)", flush=True)
+                      f"({elapsed:.0f}s, {eta(elapsed, n, total_updates)})", flush=True)
         elif name == "valid":
             print(f"{prefix} validation after {rec.get('valid_num_updates')} updates: loss {rec.get('valid_loss')}", flush=True)
 

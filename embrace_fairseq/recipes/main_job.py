@@ -163,7 +163,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"[main job] {b}")
     print(f"[main job] {c}")
     print(f"[main job] signature: {bleu.get_signature()}")
-    print(f"[main job] done in {wall / 60:.1f} min: {out}" + (f", {png}" if png else ""), flush=True)
+    print(f"[main job] done in {wall / 60:.1f} min", flush=True)
+    print(f"[main job]   results:      {out}", flush=True)
+    if png:
+        print(f"[main job]   loss plot:    {png}", flush=True)
+    print(f"[main job]   translations: {work / 'test.hyp.en'} (references {raw / 'test.en'})", flush=True)
+    print(f"[main job]   checkpoint:   {ckpt}; logs: {work / 'train.log'}, {work / 'generate.log'}", flush=True)
     return 0
 
 

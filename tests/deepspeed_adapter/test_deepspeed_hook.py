@@ -166,3 +166,15 @@ def test_launcher_trains_and_generate_reads_checkpoint(tmp_path):
                                                 "--cpu", "--beam", "2", "--max-tokens", "1000", "--gen-subset", "test"])
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert "BLEU4" in gen.stdout + gen.stderr
+
+
+def test_no_shared_memory_left_behind():
+    """DeepSpeed's CPU comm layer would map a 69 MB /dev/shm buffer per rank that nothing
+    unlinks (deepspeed_adapter/cpu_comm.py): neither path may leave one behind."""
+    import time
+
+    t0 = time.time() - 1.0
+    results = run_ranks(R.one_step_each, 2, timeout_s=240, pg_timeout_s=120)
+    assert all(len(r) == 2 and all(len(l) == 1 for l in r) for r in results)
+    fresh = [f for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*") if os.path.getmtime(f) >= t0]
+    assert fresh == [], fresh

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from embrace_fairseq import ShardedEmbedding, fairseq_initial_table
+from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 37, 16, 32, 4, 6
 
@@ -93,6 +94,7 @@ def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=N
     if sharded:
         engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(gas, embrace=embrace or {}))
     else:
+        skip_shm_allreduce()  # no leaked /dev/shm buffer per rank
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(gas))
     losses = []
     for step in range(steps):
@@ -108,6 +110,14 @@ def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=N
         hook.close()
     return {"losses": losses, "state": model.full_state(), "summary": summary,
             "schedule": [(p.bucket, p.index) for p in hook.schedule.issue_order] if hook else None}
+
+
+def one_step_each(rank, world):
+    """One step of stock DeepSpeed and one of EmbRace's (what a CPU job starts)."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    return [train(rank, world, sharded=s, tied=True, steps=1, embrace={} if s else None)["losses"]
+            for s in (False, True)]
 
 
 # small pieces and buckets so the tiny model has several of each
@@ -151,6 +161,7 @@ def _train_cfg(rank, world, *, sharded, steps, cfg, optimizer=None, tied=True, n
 
     model = TinyLM(sharded, tied)
     opt = optimizer(model.parameters()) if optimizer is not None else None
+    skip_shm_allreduce()  # no leaked /dev/shm buffer per rank
     init = initialize if sharded else deepspeed.initialize
     engine, *_ = init(model=model, optimizer=opt, model_parameters=list(model.parameters()), config=cfg)
     if nan_at is not None and rank == nan_rank:
@@ -216,6 +227,7 @@ def _train_relaxed(rank, world, *, sharded, tied, steps, embrace=None, next_ids=
     if sharded:
         engine, *_ = initialize(model=model, optimizer=opt, config=dict(cfg, embrace=embrace or {}))
     else:
+        skip_shm_allreduce()  # no leaked /dev/shm buffer per rank
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     losses = []
     for step in range(steps):

@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
 from embrace_fairseq.perf.strategies import REFERENCE, get_strategy
 
 def _tx_bytes(path: str) -> float:
@@ -57,16 +58,6 @@ _T0 = time.time()
 
 def _log(rank: int, msg: str) -> None:
     print(f"[rank {rank} +{time.time() - _T0:.0f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _skip_shm_comm_build() -> None:
-    """DeepSpeed's CPU backend JIT-compiles a shared-memory op at start-up that serves only
-    ``inference_all_reduce`` (training reduces through torch.distributed). Marking it
-    unavailable skips the compile (and its lock, shared with every other DeepSpeed process
-    of the machine); the collectives of every strategy are unchanged."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any) -> Dict[str, Any]:
@@ -187,7 +178,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _skip_shm_comm_build()
+    skip_shm_allreduce()  # the stock DeepSpeed strategies too
     _log(rank, "imported")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
