@@ -135,14 +135,23 @@ class Tracer:
 
     def collective_async(self, kind: str, nbytes: int, pending: Any, tid: int = COMM_TID, **args: Any) -> None:
         """A collective still in flight: its times are read (``pending.issued_us``,
-        ``pending.end_us()``) when the events are next read."""
+        ``pending.end_us()``) once it has finished. The collectives that finished since
+        the last call are resolved here, so the tracer never keeps a finished one (and
+        the buffers it holds: a gathered table, a gradient bucket) beyond the next call."""
         if self.enabled:
+            self._resolve(finished_only=True)
             with self._lock:
                 self._unresolved.append((kind, nbytes, pending, tid, args))
 
-    def _resolve(self) -> None:
+    def _resolve(self, finished_only: bool = False) -> None:
         with self._lock:
-            todo, self._unresolved = self._unresolved, []
+            if finished_only:
+                todo, keep = [], []
+                for u in self._unresolved:  # one done() per entry: it may turn true meanwhile
+                    (todo if u[2].done() else keep).append(u)
+                self._unresolved = keep
+            else:
+                todo, self._unresolved = self._unresolved, []
         for kind, nbytes, pending, tid, args in todo:
             self.collective(kind, nbytes, pending.issued_us, pending.end_us(), tid=tid, **args)
 

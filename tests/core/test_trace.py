@@ -125,3 +125,29 @@ def test_hidden_share_of_a_known_sleep_pattern():
     assert got["comm_seconds"] == pytest.approx(T.D1 + T.D2, abs=0.05), got
     assert got["hidden_seconds"] == pytest.approx(min(T.C, T.D1), abs=0.03), got
     assert got["hidden_share"] == pytest.approx(T.EXPECTED_SHARE, abs=0.05), got
+
+
+def test_finished_async_collectives_are_not_kept(gloo1):
+    """Tracing a long run must not keep every collective's buffers: a finished one is
+    resolved (and released) when the next one is traced."""
+    import gc
+    import weakref
+
+    import torch
+
+    from embrace_fairseq.core import collectives
+
+    tracer = Tracer(0)
+    refs = []
+    for _ in range(50):
+        buf = torch.ones(1024)
+        pending = collectives.all_reduce_async(buf)
+        tracer.collective_async("dense_grad", buf.numel() * 4, pending)
+        pending.wait()
+        refs.append(weakref.ref(buf))
+        del buf, pending
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= 1, alive  # only the last one, still unresolved
+    evs = tracer.events("comm")
+    assert len(evs) == 50 and all(e["dur"] >= 0 for e in evs)

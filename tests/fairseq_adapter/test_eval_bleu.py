@@ -58,20 +58,49 @@ def test_fairseq_train_eval_bleu_matches_stock(mt_data, tmp_path):
 
     def train(arch, save):
         return run_fairseq_train([
-            mt_data, "--task", "translation", "--arch", arch, *R.TINY, "--share-all-embeddings",
-            "--optimizer", "adam", "--lr", "0.01", "--max-tokens", "120", "--max-update", "12", "--seed", "3",
-            "--validate-interval-updates", "6", "--eval-bleu", "--eval-bleu-detok", "space",
-            "--eval-bleu-args", '{"beam": 2, "max_len_a": 1.2, "max_len_b": 3}',
-            "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
-            "--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--num-workers", "0",
-            "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints", "--save-dir", str(save)],
+            mt_data, "--task", "translation", "--arch", arch, *_eval_bleu_args(save),
+            "--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"],
             nproc=2, env={"EMBRACE_LOG_PRECISION": "8"}, timeout=400).check()
 
     stock, ours = train("transformer", tmp_path / "stock"), train("embrace_transformer", tmp_path / "ours")
+    _same_valid_lines(stock, ours)
+    assert (tmp_path / "ours" / "checkpoint_best.pt").exists()
+
+
+def _eval_bleu_args(save):
+    return [*R.TINY, "--share-all-embeddings",
+            "--optimizer", "adam", "--lr", "0.01", "--max-tokens", "120", "--max-update", "12", "--seed", "3",
+            "--validate-interval-updates", "6", "--eval-bleu", "--eval-bleu-detok", "space",
+            "--eval-bleu-args", '{"beam": 2, "max_len_a": 1.2, "max_len_b": 3}',
+            "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric", "--num-workers", "0",
+            "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints", "--save-dir", str(save)]
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_eval_bleu_matches_stock(mt_data, tmp_path):
+    """embrace-ds-train (fairseq's loop with the DeepSpeed trainer) on 2 ranks with
+    --eval-bleu: the valid lines (loss, BLEU) equal stock fairseq-train's."""
+    import json
+
+    from fairseq_corpus import run_ds_train, run_fairseq_train
+
+    stock = run_fairseq_train([mt_data, "--task", "translation", "--arch", "transformer",
+                               *_eval_bleu_args(tmp_path / "stock"), "--cpu", "--distributed-backend", "gloo",
+                               "--ddp-backend", "legacy_ddp"],
+                              nproc=2, env={"EMBRACE_LOG_PRECISION": "8"}, timeout=400).check()
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    ours = run_ds_train(mt_data, ["--task", "translation", "--arch", "embrace_transformer",
+                                  *_eval_bleu_args(tmp_path / "ours")], ds_json,
+                        env={"EMBRACE_LOG_PRECISION": "8"}, timeout=400).check()
+    _same_valid_lines(stock, ours)
+    assert (tmp_path / "ours" / "checkpoint_best.pt").exists()
+
+
+def _same_valid_lines(stock, ours):
     keys = ("valid_loss", "valid_bleu")
     s = [[float(r[k]) for k in keys] for r in stock.tagged("valid")]
     o = [[float(r[k]) for k in keys] for r in ours.tagged("valid")]
     assert len(s) >= 2 and len(o) == len(s)
     for a, b in zip(s, o):
         assert abs(a[0] - b[0]) <= 1e-4 * abs(a[0]) and abs(a[1] - b[1]) <= 1e-3, (s, o)
-    assert (tmp_path / "ours" / "checkpoint_best.pt").exists()

@@ -60,6 +60,13 @@ def _log(rank: int, msg: str) -> None:
     print(f"[rank {rank} +{time.time() - _T0:.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def _peak_rss_mb() -> float:
+    """This rank's peak resident memory: 8 ranks of a model share the machine's RAM."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any) -> Dict[str, Any]:
     """Every strategy of the spec, built once (EmbRace's with a trace prefix)."""
     built: Dict[str, Any] = {}
@@ -162,7 +169,7 @@ def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, ran
             s.hook.tracer.clear()
     names = list(spec["strategies"])
     for r in range(spec["rounds"]):
-        _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']}")
+        _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']} (peak RSS {_peak_rss_mb():.0f} MB)")
         for name in names[r % len(names):] + names[:r % len(names)]:
             _timed_steps(spec, built[name], per[name], batches, rank, counter, global_ledger(), tx_path)
     return {name: _entry(spec, name, per[name], built, link, world) for name in names}
