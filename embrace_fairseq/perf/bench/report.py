@@ -114,20 +114,10 @@ def _by_key(runs: List[Dict[str, Any]]) -> Dict[Tuple[str, str], Dict[str, Any]]
              r["strategy"]): r for r in runs}
 
 
-def _ratios(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
-    """Median step of each strategy over the subject's, per run key."""
-    ratios: Dict[str, Dict[str, float]] = {}
-    by = _by_key(runs)
-    for (key, s), r in by.items():
-        e = by.get((key, SPEEDUP_SUBJECT))
-        if e and s != SPEEDUP_SUBJECT:
-            ratios.setdefault(key, {})[s] = r["median_step_s"] / e["median_step_s"]
-    return ratios
-
-
 def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, float]]]:
-    """The same ratios with their paired-bootstrap interval (:mod:`.stats`): every strategy
-    steps through the same batches, so step ``i`` of one pairs with step ``i`` of the other."""
+    """Median step of each strategy over the subject's, per run key, with its paired-bootstrap
+    interval (:mod:`.stats`): every strategy steps through the same batches, so step ``i``
+    of one pairs with step ``i`` of the other."""
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     by = _by_key(runs)
     for (key, s), r in by.items():
@@ -137,18 +127,26 @@ def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str
     return out
 
 
-def layout_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per run key where both layouts ran: contiguous step / strided step with its interval,
-    and the exchange's busiest rank over the mean for each. Met when the interval's upper
-    end reaches 1.0 (strided no slower, within the measurement's resolution)."""
+def _ratios(intervals: Dict[str, Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+    """The point ratios of :func:`_ratio_intervals`."""
+    return {key: {s: iv["ratio"] for s, iv in per.items()} for key, per in intervals.items()}
+
+
+def layout_check(runs: List[Dict[str, Any]],
+                 intervals: Optional[Dict[str, Dict[str, Dict[str, float]]]] = None) -> Dict[str, Any]:
+    """Per run key where both layouts ran: contiguous step / strided step with its interval
+    (the one :func:`_ratio_intervals` computed, given or computed here), and the exchange's
+    busiest rank over the mean for each. Met when the interval's upper end reaches 1.0
+    (strided no slower, within the measurement's resolution)."""
     out: Dict[str, Any] = {}
     by = _by_key(runs)
-    contiguous, strided = LAYOUT_PAIR
+    intervals = _ratio_intervals(runs) if intervals is None else intervals
+    contiguous, strided = LAYOUT_PAIR  # strided is the subject: its ratios are the intervals'
     for (key, s), c in by.items():
         e = by.get((key, strided))
         if s != contiguous or e is None:
             continue
-        iv = paired_ratio_interval(c["step_s"], e["step_s"])
+        iv = intervals[key][contiguous]
         bal = {}
         for name, r in ((contiguous, c), (strided, e)):
             eb = r.get("exchange_balance") or {}
@@ -195,9 +193,10 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         comp = pm.pop("_compute")
         pm["compute_s"] = {k: statistics.median(c[k] for c in comp) for k in ("forward", "backward", "optimizer")}
         pm["tokens_per_rank"] = int(round(statistics.fmean(pm.pop("_tokens"))))
-    result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(runs),
-              "ratio_intervals": _ratio_intervals(runs), "confidence": CONFIDENCE,
-              "layouts": layout_check(runs), "loss_max_rel_diff_vs_legacy_ddp": consistency}
+    intervals = _ratio_intervals(runs)
+    result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
+              "ratio_intervals": intervals, "confidence": CONFIDENCE,
+              "layouts": layout_check(runs, intervals), "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     return result
 
