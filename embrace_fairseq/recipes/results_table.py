@@ -1,0 +1,92 @@
+"""The README's main-job table, rendered from the runs' results files.
+
+``python -m embrace_fairseq.recipes.results_table [--results results] [--write README.md]``
+
+Prints the table of ``results/main_job.json`` (EmbRace) and
+``results/main_job_transformer.json`` (the stock architecture, same recipe); with
+``--write`` replaces the block between the ``main-job-table`` markers of the README, so
+the figures a reader sees are those of the files in the repository, never typed by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from embrace_fairseq.recipes.common import REPO_ROOT
+
+BEGIN = "<!-- main-job-table:begin (python -m embrace_fairseq.recipes.results_table --write README.md) -->"
+END = "<!-- main-job-table:end -->"
+
+#: (results file, row label, command a user types)
+RUNS = [
+    ("main_job.json", "EmbRace", "scripts/main_job.sh"),
+    ("main_job_transformer.json", "stock `transformer`", "scripts/main_job.sh --arch transformer"),
+]
+
+
+def _minutes(seconds: Optional[float]) -> str:
+    return "n/a" if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def _row(label: str, command: str, r: Dict[str, Any]) -> str:
+    wall = r.get("wall_seconds", {})
+    valid = r.get("valid_loss") or []
+    commit = (r.get("source") or {}).get("commit")
+    dirty = (r.get("source") or {}).get("dirty")
+    at = "n/a" if not commit else commit[:7] + (" (modified)" if dirty else "")
+    wps = r.get("words_per_second")
+    from_start = wall.get("from_start")
+    whole = _minutes(from_start) if from_start is not None else f"{_minutes(wall.get('total'))} (recipe only)"
+    return (f"| {label} | `{command}` | {r['updates']} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
+            f"{valid[-1][1]:.3f} | {'n/a' if wps is None else f'{wps:,.0f}'} | "
+            f"{_minutes(wall.get('setup'))} | {_minutes(wall.get('data'))} | {_minutes(wall.get('train'))} | "
+            f"{_minutes(wall.get('generate'))} | {whole} | {at} |")
+
+
+def render(results: Path) -> str:
+    """The markdown table of the main-job results files found under ``results``."""
+    rows: List[str] = []
+    signature = None
+    for name, label, command in RUNS:
+        path = results / name
+        if not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        rows.append(_row(label, command, r))
+        signature = signature or r.get("bleu_signature")
+    if not rows:
+        raise FileNotFoundError(f"no main-job results under {results}")
+    head = ("| run | command | updates | BLEU | chrF | final valid loss | train words/s | set-up | data | "
+            "training | decoding | wall, set-up included | commit |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    sig = f"\n\nsacrebleu signature: `{signature}`" if signature else ""
+    return "\n".join([head, *rows]) + sig
+
+
+def write(readme: Path, table: str) -> None:
+    """Replace the block between :data:`BEGIN` and :data:`END` in ``readme`` with ``table``."""
+    text = readme.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no main-job-table markers")
+    head, rest = text.split(BEGIN, 1)
+    _old, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="Render the README's main-job table from the results files.")
+    p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
+    p.add_argument("--write", type=Path, default=None, help="README whose main-job-table block to replace")
+    a = p.parse_args(argv)
+    table = render(a.results)
+    if a.write is not None:
+        write(a.write, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

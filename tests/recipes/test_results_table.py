@@ -1,0 +1,41 @@
+"""The README's main-job table comes from the results files, marker to marker."""
+import json
+
+import pytest
+
+from embrace_fairseq.recipes import results_table
+
+
+def _result(bleu, setup):
+    return {"updates": 1500, "bleu": bleu, "chrf": 45.1, "valid_loss": [[750, 6.9], [1500, 6.1]],
+            "words_per_second": 1234.5, "bleu_signature": "nrefs:1|tok:13a",
+            "wall_seconds": {"total": 1300.0, "data": 50.0, "train": 1150.0, "generate": 40.0,
+                             "setup": setup, "from_start": None if setup is None else setup + 1300.0},
+            "source": {"commit": "0123456789abcdef", "dirty": False}}
+
+
+def test_table_from_results_and_readme_block_replaced(tmp_path):
+    (tmp_path / "main_job.json").write_text(json.dumps(_result(20.5, 240.0)))
+    (tmp_path / "main_job_transformer.json").write_text(json.dumps(_result(20.31, None)))
+    table = results_table.render(tmp_path)
+    rows = table.splitlines()
+    assert rows[2].startswith("| EmbRace | `scripts/main_job.sh` | 1500 | 20.50 | 45.10 | 6.100 | 1,234 | 4.0 min")
+    assert rows[2].endswith("| 25.7 min | 0123456 |")
+    assert "| n/a |" in rows[3] and rows[3].endswith("| 21.7 min (recipe only) | 0123456 |")  # run without the script
+    assert "`nrefs:1|tok:13a`" in table
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{results_table.BEGIN}\nold figures\n{results_table.END}\nafter\n")
+    results_table.write(readme, table)
+    text = readme.read_text()
+    assert "old figures" not in text and text.startswith("intro\n") and text.endswith("after\n")
+    assert table in text
+
+
+def test_no_results_or_no_markers_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        results_table.render(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        results_table.write(readme, "t")
