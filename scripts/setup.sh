@@ -44,10 +44,14 @@ rm -f "$ROOT"/embrace_fairseq/_native*.so
 "${PIP[@]}" install --no-build-isolation -c "$C" fairseq-fixed deepspeed sacrebleu sentencepiece pytest matplotlib
 "${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
 "$VENV/bin/python" - <<'PY'
-import torch, fairseq, deepspeed, sacrebleu, sentencepiece  # noqa: F401
-assert torch.__version__.startswith("2.13.0"), torch.__version__
-assert not torch.version.cuda or torch.cuda.is_available() or True
-print(f"[setup] torch {torch.__version__} fairseq {fairseq.__version__} deepspeed {deepspeed.__version__}")
+# installed and importable, read without importing them (their import-time log lines are
+# not set-up output)
+from importlib import metadata, util
+for mod in ("torch", "fairseq", "deepspeed", "sacrebleu", "sentencepiece"):
+    assert util.find_spec(mod) is not None, f"{mod} is not importable"
+v = {d: metadata.version(d) for d in ("torch", "fairseq-fixed", "deepspeed")}
+assert v["torch"].startswith("2.13.0"), v["torch"]
+print(f"[setup] torch {v['torch']} fairseq {v['fairseq-fixed']} deepspeed {v['deepspeed']}")
 PY
 touch "$STAMP"
 native_done

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -169,17 +169,12 @@ class ShardPlan:
         return torch.arange(rank, self.num_embeddings, self.world_size, device=device)
 
     # ------------------------------------------------------------------ full tables
-    def _index(self, name: str, device: torch.device) -> torch.Tensor:
-        key = (name, str(device))
-        cache: Dict = self._tensors
-        if key not in cache:
-            ids = torch.arange(self.num_embeddings)
-            cache[key] = (self.to_vocab(ids) if name == "plan_order" else self.to_plan(ids)).to(device)
-        return cache[key]
-
-    @functools.cached_property
-    def _tensors(self) -> Dict:
-        return {}
+    # Strided layout: vocabulary order, padded to max_shard_size * world_size rows and
+    # viewed as [max_shard_size, world_size, ...], holds rank r's local row j at [j, r]
+    # (id j*N + r; the ids >= num_embeddings are the padding at the end). So every
+    # permutation below is one strided copy (a stack, a cat of slices ``full[r::N]``),
+    # never an index_select / index_copy_ (two to three times slower on CPU), and the
+    # strided layout costs the same copy as the contiguous one's ``cat``.
 
     def shard_rows(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s rows (local order) of a full tensor in vocabulary order: a view
@@ -189,30 +184,42 @@ class ShardPlan:
         if self.is_identity:
             start, end = self.shard_range(rank)
             return full[start:end]
-        return full.index_select(0, self.vocab_ids(rank, device=full.device))
+        self._check_rank(rank)
+        return full[rank::self.world_size].contiguous()
 
     def to_plan_order(self, full: torch.Tensor) -> torch.Tensor:
-        """A vocabulary-order full tensor in plan order (itself when :attr:`is_identity`)."""
+        """A vocabulary-order full tensor in plan order (itself when :attr:`is_identity`).
+        Differentiable (the gradient goes back through :meth:`to_vocab_order`)."""
         if self.is_identity:
             return full
-        return full.index_select(0, self._index("plan_order", full.device))
+        return _Permute.apply(full, self, False)
 
     def to_vocab_order(self, full: torch.Tensor) -> torch.Tensor:
-        """A plan-order full tensor in vocabulary order (itself when :attr:`is_identity`)."""
+        """A plan-order full tensor in vocabulary order (itself when :attr:`is_identity`).
+        Differentiable (the gradient goes back through :meth:`to_plan_order`)."""
         if self.is_identity:
             return full
-        return full.index_select(0, self._index("plan_index", full.device))
+        return _Permute.apply(full, self, True)
+
+    def _plan_from_vocab(self, full: torch.Tensor) -> torch.Tensor:
+        return torch.cat([full[r::self.world_size] for r in range(self.world_size)], dim=0)
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The vocabulary-order full tensor from every rank's shard (``parts[r]``: rank
         ``r``'s rows in local order, possibly padded beyond its size)."""
         if self.is_identity:
             return torch.cat([p[:n] for p, n in zip(parts, self.sizes)], dim=0)
-        full = parts[0].new_empty(self.num_embeddings, *parts[0].shape[1:])
-        for r, (p, n) in enumerate(zip(parts, self.sizes)):
-            if n:
-                full.index_copy_(0, self.vocab_ids(r, device=p.device), p[:n])
-        return full
+        return self._interleave(list(parts))
+
+    def _interleave(self, blocks: List[torch.Tensor]) -> torch.Tensor:
+        """Strided layout: rank blocks (local order, at least each rank's size, rows past
+        it ignored) -> vocabulary order, with one copy (:class:`_Permute` carries gradients)."""
+        rows, world = self.max_shard_size, self.world_size
+        first = blocks[0]
+        out = first.new_empty(rows, world, *first.shape[1:])  # row j*N + r is rank r's row j
+        for r, (b, n) in enumerate(zip(blocks, self.sizes)):
+            out[:n, r] = b[:n]  # the cells past a short shard are ids >= num_embeddings: cut below
+        return out.view(rows * world, *first.shape[1:])[: self.num_embeddings]
 
     def fingerprint(self) -> str:
         """Short digest ranks compare at start-up to catch mismatched plans."""
@@ -222,3 +229,20 @@ class ShardPlan:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+
+
+class _Permute(torch.autograd.Function):
+    """Plan order <-> vocabulary order of a full tensor, with the inverse permutation as
+    its backward: one copy each way (autograd through the slices would add a full-size
+    zero-filled gradient per rank)."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, plan: ShardPlan, to_vocab: bool):  # type: ignore[override]
+        ctx.plan, ctx.to_vocab = plan, to_vocab
+        return plan._interleave(list(full.split(plan.sizes, dim=0))) if to_vocab else plan._plan_from_vocab(full)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        plan = ctx.plan
+        back = plan._plan_from_vocab(grad) if ctx.to_vocab else plan._interleave(list(grad.split(plan.sizes, dim=0)))
+        return back, None, None
