@@ -172,7 +172,7 @@ class ShardPlan:
     # Strided layout: vocabulary order, padded to max_shard_size * world_size rows and
     # viewed as [max_shard_size, world_size, ...], holds rank r's local row j at [j, r]
     # (id j*N + r; the ids >= num_embeddings are the padding at the end). So every
-    # permutation below is one strided copy (a stack, a cat of slices ``full[r::N]``),
+    # permutation below is one strided copy (an interleaving copy, a cat of ``full[r::N]``),
     # never an index_select / index_copy_ (two to three times slower on CPU), and the
     # strided layout costs the same copy as the contiguous one's ``cat``.
 

@@ -48,6 +48,23 @@ def test_plan_maps(vocab, world, layout):
     assert torch.equal(plan.assemble(padded), full)
     assert torch.equal(plan.to_plan_order(full), torch.cat(parts))
     assert torch.equal(plan.to_vocab_order(plan.to_plan_order(full)), full)
+    assert torch.equal(plan.to_plan_order(full), full[plan.to_vocab(torch.arange(vocab))])  # row p = vocab id of p
+    vec = torch.randn(vocab)  # 1-D tensors (a bias, a row count) permute too
+    assert torch.equal(plan.to_vocab_order(plan.to_plan_order(vec)), vec)
+
+
+@pytest.mark.parametrize("vocab,world", [(7, 2), (11, 3), (1001, 8), (64, 4)])
+def test_permutation_gradients_are_the_inverse_permutation(vocab, world):
+    """The table's gradient goes back through the permutations as the inverse one, so a
+    tied projection's reduce-scatter sees it in plan order."""
+    plan = ShardPlan(vocab, world, "strided")
+    plan_full = torch.randn(vocab, 3, requires_grad=True)
+    g = torch.randn(vocab, 3)
+    (plan.to_vocab_order(plan_full) * g).sum().backward()
+    assert torch.equal(plan_full.grad, plan.to_plan_order(g))
+    full = torch.randn(vocab, 3, requires_grad=True)
+    (plan.to_plan_order(full) * g).sum().backward()
+    assert torch.equal(full.grad, plan.to_vocab_order(g))
 
 
 def test_strided_owner_and_identity():
