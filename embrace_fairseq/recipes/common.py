@@ -169,6 +169,17 @@ def plot_losses(curves: Dict[str, Dict[str, List[tuple]]], path: Path, title: st
     return path
 
 
+def fresh_save_dir(work: Path, label: str) -> Path:
+    """The run's checkpoint folder, emptied: fairseq-train resumes from a
+    ``checkpoint_last.pt`` it finds there, which would make a rerun evaluate the earlier
+    model (its updates already reached) or fail on one of another recipe."""
+    save_dir = work / "checkpoints"
+    if save_dir.exists() and any(save_dir.iterdir()):
+        print(f"[{label}] training from scratch: removing the earlier run's checkpoints in {save_dir}", flush=True)
+        shutil.rmtree(save_dir)
+    return save_dir
+
+
 def start_run(label: str, arch: str, default_arch: str, work_dir: Path, data: Path, skip_data: bool,
               only: Optional[str] = None) -> Tuple[str, Path]:
     """(result-file tag, work folder) of a recipe run for ``arch``; prepares the data first

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, json_records, start_run,
+from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, fresh_save_dir, json_records, start_run,
                                           plot_losses, progress_printer, stream, tool, torchrun_train_cmd,
                                           versions)
 
@@ -44,7 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     tag, work = start_run("lm", a.arch, "embrace_transformer_lm", a.work_dir, a.data, a.skip_data, only="lm")
     data_bin = a.data / "lm" / "bin"
-    save_dir = work / "checkpoints"
+    save_dir = fresh_save_dir(work, "lm")
     train_cmd = torchrun_train_cmd(a.ranks, data_bin, [
         "--task", "language_modeling", "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS,
         "--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",

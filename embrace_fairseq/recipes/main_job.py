@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 from embrace_fairseq.perf.provenance import source_state
 from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, child_env,
-                                          json_records, start_run, plot_losses, progress_printer, stream, tool,
+                                          fresh_save_dir, json_records, start_run, plot_losses, progress_printer, stream, tool,
                                           torchrun_train_cmd, versions)
 
 # Sized so that set-up, data preparation, training and decoding fit in 30 minutes from a
@@ -64,7 +64,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 def _train(a: argparse.Namespace, data_bin: Path, work: Path, tag: str) -> Tuple[List[str], List[str], float, Path]:
     """Run (or, with --skip-train, reread) the documented fairseq-train command:
     (command, log lines, training seconds, checkpoint to evaluate)."""
-    save_dir = work / "checkpoints"
+    save_dir = work / "checkpoints" if a.skip_train else fresh_save_dir(work, "main job")
     train_cmd = torchrun_train_cmd(a.ranks, data_bin, [
         "--task", "translation", "--source-lang", "de", "--target-lang", "en",
         "--arch", a.arch, *MODEL_ARGS, *TRAIN_ARGS, "--cpu", "--distributed-backend", "gloo",

@@ -22,3 +22,16 @@ def test_progress_lines(capsys):
     assert len(out) == 2, out
     assert out[0].startswith("[train] update 10/20 loss 7.5 wps 900 (") and "ETA" in out[0]
     assert out[1] == "[train] validation after 10 updates: loss 8.1"
+
+
+def test_a_rerun_trains_from_scratch(tmp_path, capsys):
+    from embrace_fairseq.recipes.common import fresh_save_dir
+
+    assert fresh_save_dir(tmp_path, "job") == tmp_path / "checkpoints"  # nothing there: nothing said
+    assert capsys.readouterr().out == ""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint_last.pt").write_bytes(b"earlier model")
+    (tmp_path / "train.log").write_text("kept")
+    save_dir = fresh_save_dir(tmp_path, "job")
+    assert not save_dir.exists() and (tmp_path / "train.log").exists()
+    assert "removing the earlier run's checkpoints" in capsys.readouterr().out
