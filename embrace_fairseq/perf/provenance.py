@@ -24,11 +24,12 @@ def source_state(root: Path = REPO_ROOT) -> Dict[str, Union[str, bool, None]]:
     """``{"commit": <sha or None>, "dirty": <tracked files changed?>}`` of the checkout at ``root``.
 
     ``commit`` is None outside a git checkout (an installed package); ``dirty`` is then None too.
-    Untracked files do not make a tree dirty (results and data land there); changes to
-    tracked files, staged or not, do.
+    Untracked files do not make a tree dirty (data lands there), nor do changes under
+    ``results/`` (a run rewrites the results files the repository carries); changes to
+    other tracked files, staged or not, do.
     """
     sha = _git(root, "rev-parse", "HEAD")
     if sha is None:
         return {"commit": None, "dirty": None}
-    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     return {"commit": sha.strip(), "dirty": None if status is None else bool(status.strip())}

@@ -17,6 +17,13 @@ def test_commit_and_dirty_flag(tmp_path):
     assert source_state(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / "results.json").write_text("{}")  # untracked output: still clean
     assert source_state(tmp_path)["dirty"] is False
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text("{}")
+    _git(tmp_path, "add", "results")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "results")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "results" / "r.json").write_text('{"rerun": 1}')  # a run rewrote a tracked result: clean
+    assert source_state(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / "a.txt").write_text("two\n")
     assert source_state(tmp_path) == {"commit": head, "dirty": True}
 
