@@ -167,9 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "valid_loss": [(int(r["valid_num_updates"]), float(r["valid_loss"])) for r in valid],
         "wall_seconds": {"total": round(wall, 1), "data": round(t_data, 1), "train": round(t_train, 1),
                          "generate": round(t_gen, 1),
-                         # set-up (first run: the environment) + everything above
-                         "setup": None if t_setup is None else round(t_setup, 1),
-                         "from_start": None if t_setup is None else round(t_setup + wall, 1)},
+                         # before the recipe: scripts/main_job.sh's set-up (first run: the environment)
+                         "setup": None if t_setup is None else round(t_setup, 1)},
         "model_args": MODEL_ARGS,
         "train_command": " ".join(train_cmd),
         "versions": versions(),

@@ -38,11 +38,11 @@ def _row(label: str, command: str, r: Dict[str, Any]) -> str:
     dirty = (r.get("source") or {}).get("dirty")
     at = "n/a" if not commit else commit[:7] + (" (modified)" if dirty else "")
     wps = r.get("words_per_second")
-    from_start = wall.get("from_start")
-    whole = _minutes(from_start) if from_start is not None else f"{_minutes(wall.get('total'))} (recipe only)"
+    setup, total = wall.get("setup"), wall.get("total")
+    whole = f"{_minutes(total)} (recipe only)" if setup is None else _minutes(setup + total)
     return (f"| {label} | `{command}` | {r['updates']} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
             f"{valid[-1][1]:.3f} | {'n/a' if wps is None else f'{wps:,.0f}'} | "
-            f"{_minutes(wall.get('setup'))} | {_minutes(wall.get('data'))} | {_minutes(wall.get('train'))} | "
+            f"{_minutes(setup)} | {_minutes(wall.get('data'))} | {_minutes(wall.get('train'))} | "
             f"{_minutes(wall.get('generate'))} | {whole} | {at} |")
 
 
