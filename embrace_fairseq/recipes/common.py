@@ -18,13 +18,16 @@ USER_DIR = REPO_ROOT / "user_dir"
 BIN = Path(sys.executable).parent
 _LOG = re.compile(r"^\S+ \S+ \| [A-Z]+ \| (?P<name>[^|]+?) \| (?P<msg>\{.*\})\s*$")
 
-# The optimisation both recipes use (fairseq's Transformer recipe, scaled down), and the
+# The optimisation the recipes use (fairseq's Transformer recipe, scaled down), and the
 # logging and seeding every recipe run shares; each recipe adds its model and batch flags.
-ADAM_INVERSE_SQRT = [
-    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3", "--clip-norm", "1.0",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
-    "--dropout", "0.1",
-]
+def adam_inverse_sqrt(lr: str = "1e-3", warmup: int = 100) -> List[str]:
+    """Adam with the inverse square-root schedule, gradient clipping and dropout 0.1."""
+    return ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", lr, "--clip-norm", "1.0",
+            "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup), "--warmup-init-lr", "1e-7",
+            "--dropout", "0.1"]
+
+
+ADAM_INVERSE_SQRT = adam_inverse_sqrt()
 RUN_ARGS = ["--seed", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "5",
             "--no-epoch-checkpoints"]
 
@@ -104,16 +107,20 @@ def versions() -> Dict[str, str]:
     return out
 
 
-def eta(elapsed_s: float, done: int, total: int) -> str:
-    """``"ETA 3m20s"`` from the mean pace so far (validation pauses included)."""
+def eta(elapsed_s: float, done: int, total: int, time_limit_s: Optional[float] = None) -> str:
+    """``"ETA 3m20s"`` from the mean pace so far (validation pauses included), or from the
+    time limit where that comes first."""
     if done <= 0 or total <= done:
         return "ETA 0s" if total <= done else "ETA -"
     left = int(round(elapsed_s / done * (total - done)))
+    if time_limit_s is not None:
+        left = min(left, max(0, int(round(time_limit_s - elapsed_s))))
     return f"ETA {left // 60}m{left % 60:02d}s" if left >= 60 else f"ETA {left}s"
 
 
-def progress_printer(prefix: str, total_updates: int) -> Callable[[str], None]:
-    """Print a compact progress line for fairseq's per-update and validation records."""
+def progress_printer(prefix: str, total_updates: int, time_limit_s: Optional[float] = None) -> Callable[[str], None]:
+    """Print a compact progress line for fairseq's per-update and validation records;
+    ``time_limit_s``: training also stops after that long (``--stop-time-hours``)."""
     start = time.time()
 
     def on_line(line: str) -> None:
@@ -132,7 +139,7 @@ def progress_printer(prefix: str, total_updates: int) -> Callable[[str], None]:
             if n % 10 == 0 or n == total_updates:
                 elapsed = time.time() - start
                 print(f"{prefix} update {n}/{total_updates} loss {rec['loss']} wps {rec.get('wps')} "
-                      f"({elapsed:.0f}s, {eta(elapsed, n, total_updates)})", flush=True)
+                      f"({elapsed:.0f}s, {eta(elapsed, n, total_updates, time_limit_s)})", flush=True)
         elif name == "valid":
             print(f"{prefix} validation after {rec.get('valid_num_updates')} updates: loss {rec.get('valid_loss')}", flush=True)
 

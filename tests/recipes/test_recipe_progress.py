@@ -9,6 +9,10 @@ def test_eta_from_the_pace_so_far():
     assert eta(5.0, 10, 20) == "ETA 5s"
     assert eta(10.0, 20, 20) == "ETA 0s"
     assert eta(0.0, 0, 20) == "ETA -"
+    # a time limit that comes first wins; one that comes later changes nothing
+    assert eta(60.0, 10, 40, time_limit_s=90.0) == "ETA 30s"
+    assert eta(60.0, 10, 40, time_limit_s=600.0) == "ETA 3m00s"
+    assert eta(700.0, 10, 40, time_limit_s=600.0) == "ETA 0s"
 
 
 def test_progress_lines(capsys):

@@ -14,6 +14,19 @@ from typing import Dict, Sequence
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000
+# "No slower" is a non-inferiority claim: the interval's lower end must show the ratio is
+# at most this far below 1.0. (Asking only that the upper end reach 1.0 would let a noisier
+# measurement pass more easily.)
+NO_WORSE_MARGIN = 0.03
+
+
+def no_worse(interval: Dict[str, float], margin: float = NO_WORSE_MARGIN) -> bool:
+    """True when ``interval`` (of other / subject) shows the subject at most ``margin`` slower.
+
+    >>> no_worse({"ratio": 0.99, "low": 0.975, "high": 1.01}), no_worse({"ratio": 1.0, "low": 0.9, "high": 1.1})
+    (True, False)
+    """
+    return interval["low"] >= 1.0 - margin
 
 
 def ratio_of_medians(num: Sequence[float], den: Sequence[float]) -> float:
@@ -30,7 +43,7 @@ def paired_ratio_interval(num: Sequence[float], den: Sequence[float], confidence
 
     >>> r = paired_ratio_interval([2.0, 2.2, 1.9, 2.1], [1.0, 1.1, 1.0, 1.0])
     >>> round(r["ratio"], 2), r["low"] <= r["ratio"] <= r["high"]
-    (2.0, True)
+    (2.05, True)
     """
     n = min(len(num), len(den))
     if n == 0:
