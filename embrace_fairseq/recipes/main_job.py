@@ -212,6 +212,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "generate": round(t_gen, 1),
                          # before the recipe: scripts/main_job.sh's set-up (first run: the environment)
                          "setup": None if t_setup is None else round(t_setup, 1)},
+        # what the user typed, for the README's table
+        "recipe_command": " ".join(["scripts/main_job.sh" if t_setup is not None else "python -m embrace_fairseq.recipes.main_job",
+                                    *(sys.argv[1:] if argv is None else argv)]),
         "model_args": MODEL_ARGS,
         "train_command": " ".join(train_cmd),
         "versions": versions(),

@@ -20,7 +20,7 @@ from embrace_fairseq.recipes.common import REPO_ROOT
 BEGIN = "<!-- main-job-table:begin (python -m embrace_fairseq.recipes.results_table --write README.md) -->"
 END = "<!-- main-job-table:end -->"
 
-#: (results file, row label, command a user types)
+#: (results file, row label, command a user types where the file does not record its own)
 RUNS = [
     ("main_job.json", "EmbRace", "scripts/main_job.sh"),
     ("main_job_transformer.json", "stock `transformer`", "scripts/main_job.sh --arch transformer"),
@@ -55,7 +55,7 @@ def render(results: Path) -> str:
         if not path.exists():
             continue
         r = json.loads(path.read_text())
-        rows.append(_row(label, command, r))
+        rows.append(_row(label, r.get("recipe_command") or command, r))
         signature = signature or r.get("bleu_signature")
     if not rows:
         raise FileNotFoundError(f"no main-job results under {results}")

@@ -16,11 +16,14 @@ def _result(bleu, setup):
 
 def test_table_from_results_and_readme_block_replaced(tmp_path):
     (tmp_path / "main_job.json").write_text(json.dumps(_result(20.5, 240.0)))
-    (tmp_path / "main_job_transformer.json").write_text(json.dumps(_result(20.31, None)))
+    stock = dict(_result(20.31, None), recipe_command="scripts/main_job.sh --arch transformer --max-update 1500 "
+                                                      "--time-budget 0")
+    (tmp_path / "main_job_transformer.json").write_text(json.dumps(stock))
     table = results_table.render(tmp_path)
     rows = table.splitlines()
     assert rows[2].startswith("| EmbRace | `scripts/main_job.sh` | 1500 | 20.50 | 45.10 | 6.100 | 1,234 | 4.0 min")
     assert rows[2].endswith("| 25.7 min | 0123456 |")
+    assert "`scripts/main_job.sh --arch transformer --max-update 1500 --time-budget 0`" in rows[3]  # as typed
     assert "| n/a |" in rows[3] and rows[3].endswith("| 21.7 min (recipe only) | 0123456 |")  # run without the script
     assert "`nrefs:1|tok:13a`" in table
 
