@@ -24,6 +24,13 @@ if [[ -f "$STAMP" && -f "$NATIVE_STAMP" ]]; then
   exit 0
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# Machines of this kind configure pip with an extra local index folder that lacks most
+# packages; pip then warns once per package it looks up ("Location '...' is ignored: it is
+# neither a file nor a directory"), about 60 lines of set-up output. Harmless: only that
+# line is dropped, every other message and pip's exit status stay.
+pip_install() {
+  "${PIP[@]}" install "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 
 native_done() {
   rm -f "$VENV"/.embrace-native-*
@@ -33,16 +40,16 @@ native_done() {
 if [[ -f "$STAMP" ]]; then
   echo "[setup] csrc/ or EMBRACE_BUILD_NATIVE changed: rebuilding the native extension"
   rm -f "$ROOT"/embrace_fairseq/_native*.so  # never leave a stale build behind
-  "${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
+  pip_install --no-build-isolation --no-deps -e "$ROOT"
   native_done
   exit 0
 fi
 echo "[setup] creating $VENV (first run builds fairseq; about 8 minutes on 2 cores)"
 "$PY" -m venv "$VENV"
 rm -f "$ROOT"/embrace_fairseq/_native*.so
-"${PIP[@]}" install -c "$C" torch numpy cython setuptools wheel
-"${PIP[@]}" install --no-build-isolation -c "$C" fairseq-fixed deepspeed sacrebleu sentencepiece pytest matplotlib
-"${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT"
+pip_install -c "$C" torch numpy cython setuptools wheel
+pip_install --no-build-isolation -c "$C" fairseq-fixed deepspeed sacrebleu sentencepiece pytest matplotlib
+pip_install --no-build-isolation --no-deps -e "$ROOT"
 "$VENV/bin/python" - <<'PY'
 # installed and importable, read without importing them (their import-time log lines are
 # not set-up output)
