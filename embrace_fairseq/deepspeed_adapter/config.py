@@ -31,6 +31,11 @@ class EmbraceConfig:
     piece_bytes: largest collective the tensor level issues.
     max_in_flight: collectives outstanding at once (credit).
     bucket_bytes: size of the flat buffers gradients are grouped into.
+    compute_bytes_per_s, link_bytes_per_s: the relative speeds of backward (gradient bytes
+        produced per second) and of the all-reduce link that the schedule's issue order is
+        simulated with (:class:`~embrace_fairseq.schedule.plan.ScheduleOptions`); they shape
+        the order only, never gate anything at run time. Every rank reads the same JSON,
+        so every rank builds the same order.
     trace: ``None`` or a path prefix: write ``<prefix>.rank<N>.json`` Chrome traces.
     relaxed_embedding: update the embedding rows the next batch reads at the step and
         finish the others (gradient exchange and update) while the next forward runs.
@@ -53,6 +58,8 @@ class EmbraceConfig:
     piece_bytes: int = 1 << 20
     max_in_flight: int = 2
     bucket_bytes: int = 4 << 20
+    compute_bytes_per_s: float = 4e9
+    link_bytes_per_s: float = 1e9
     trace: Optional[str] = None
     relaxed_embedding: bool = False
     output: str = "auto"
@@ -61,6 +68,7 @@ class EmbraceConfig:
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding"}
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
+_POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 
 
 def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
@@ -79,6 +87,10 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"{where} must be true or false, got {value!r}")
         if key in _POSITIVE_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise EmbraceConfigError(f"{where} must be a positive integer, got {value!r}")
+        if key in _POSITIVE_NUMBERS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise EmbraceConfigError(f"{where} must be a positive number (bytes per second), got {value!r}")
+            value = float(value)
         if key == "output" and value not in OUTPUT_MODES:
             raise EmbraceConfigError(f"{where} must be one of {', '.join(map(repr, OUTPUT_MODES))}, got {value!r}")
         if key == "trace" and value is not None and (not isinstance(value, str) or not value):

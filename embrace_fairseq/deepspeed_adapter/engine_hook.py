@@ -30,6 +30,7 @@ shards, so every rank skips the same steps.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 from typing import Any, Dict, Optional
 
 import torch
@@ -54,6 +55,16 @@ from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
 from embrace_fairseq.schedule.plan import Schedule, ScheduleOptions, build_schedule
 
 
+def schedule_options(config: EmbraceConfig) -> ScheduleOptions:
+    """The 2D schedule's knobs from the ``"embrace"`` section: every field the two share.
+
+    >>> schedule_options(EmbraceConfig(link_bytes_per_s=2.5e8)).link_bytes_per_s
+    250000000.0
+    """
+    shared = {f.name for f in dataclasses.fields(ScheduleOptions)} & {f.name for f in dataclasses.fields(EmbraceConfig)}
+    return ScheduleOptions(**{name: getattr(config, name) for name in sorted(shared)})
+
+
 class EmbraceEngineHook:
     """Takes over gradient reduction of a DeepSpeed engine. Create it with :func:`attach`."""
 
@@ -64,9 +75,7 @@ class EmbraceEngineHook:
         module = engine.module
         self.zero_stage = int(engine.zero_optimization_stage())
         self.tracer = Tracer(rank=collectives.rank(), enabled=config.trace is not None)
-        self.schedule: Schedule = build_schedule(tensor_specs(module), ScheduleOptions(
-            model_level=config.model_level, tensor_level=config.tensor_level, piece_bytes=config.piece_bytes,
-            max_in_flight=config.max_in_flight, bucket_bytes=config.bucket_bytes))
+        self.schedule: Schedule = build_schedule(tensor_specs(module), schedule_options(config))
         self.tables = sharded_embeddings(module)
         if config.shard_layout is not None:
             for emb in self.tables:  # collective (same tables, same order on every rank); no-op when equal

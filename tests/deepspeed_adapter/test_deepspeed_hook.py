@@ -113,6 +113,9 @@ def test_trace_shows_overlap(trace_root):
         ({"tensor_level": 1}, '"embrace.tensor_level"'),
         ({"trace": ""}, '"embrace.trace"'),
         ({"relaxed_embedding": "yes"}, '"embrace.relaxed_embedding"'),
+        ({"link_bytes_per_s": 0}, '"embrace.link_bytes_per_s"'),
+        ({"compute_bytes_per_s": "fast"}, '"embrace.compute_bytes_per_s"'),
+        ({"link_bytes_per_s": True}, '"embrace.link_bytes_per_s"'),
         ([], '"embrace" must be a JSON object'),
     ],
 )
@@ -127,6 +130,20 @@ def test_bad_embrace_config_stops_startup(section, needle):
 def test_unsupported_zero_stage_is_refused():
     with pytest.raises(EmbraceConfigError, match="zero_optimization.stage"):
         initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+
+
+def test_schedule_rates_come_from_the_config():
+    from embrace_fairseq.deepspeed_adapter.engine_hook import schedule_options
+    from embrace_fairseq.schedule.plan import ScheduleOptions
+
+    default = schedule_options(parse_embrace_config(None))
+    assert (default.compute_bytes_per_s, default.link_bytes_per_s) == (4e9, 1e9)
+    cfg = parse_embrace_config({"compute_bytes_per_s": 2e9, "link_bytes_per_s": 125000000, "piece_bytes": 4096,
+                                "model_level": False, "max_in_flight": 3, "bucket_bytes": 8192})
+    opts = schedule_options(cfg)
+    assert opts == ScheduleOptions(model_level=False, piece_bytes=4096, max_in_flight=3, bucket_bytes=8192,
+                                   compute_bytes_per_s=2e9, link_bytes_per_s=1.25e8)
+    assert isinstance(opts.link_bytes_per_s, float)
 
 
 def test_example_configs_parse():
