@@ -1,15 +1,16 @@
 """The main job: German-English LibreOffice help, EmbRace Transformer on CPU ranks, BLEU.
 
-``python -m embrace_fairseq.recipes.main_job [--arch embrace_transformer] [--ranks 2] [--max-update N]``
+``python -m embrace_fairseq.recipes.main_job [--arch embrace_transformer] [--ranks 2] [--time-budget MIN] [--max-update N]``
 
 1. prepares the data (idempotent; ``python -m embrace_fairseq.data_prep``),
-2. trains with the documented command ``torchrun ... fairseq-train --user-dir user_dir``,
+2. trains with the documented command ``torchrun ... fairseq-train --user-dir user_dir``
+   for what the time budget leaves (``--stop-time-hours``) or ``--max-update`` updates,
 3. translates the held-out test modules with ``fairseq-generate``,
 4. scores detokenised output with sacrebleu (BLEU and chrF, with signatures),
 5. writes ``results/main_job[_<arch>].json`` and a loss-curve PNG.
 
-``--arch transformer`` runs the same recipe with the stock architecture, for comparison.
-The training budget is a number of updates, so both runs see the same batches.
+``--arch transformer --max-update N --time-budget 0`` runs the same recipe with the stock
+architecture for the N updates an EmbRace run reached: same seed, same batches.
 """
 from __future__ import annotations
 
