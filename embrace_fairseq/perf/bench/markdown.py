@@ -5,7 +5,7 @@ import statistics
 from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.bench.keys import run_key
-from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN
+from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, verdict
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, STRATEGIES, get_strategy
 
 
@@ -168,9 +168,8 @@ def _layouts(result: Dict[str, Any]) -> List[str]:
         iv = c["contiguous_over_strided"]
         bal = c["owner_bytes_max_over_mean"]
         fmt = lambda b: ", ".join(f"{b[ph]:.2f}" for ph in ("rows", "grad_rows") if ph in b) or "-"  # noqa: E731
-        verdict = "yes, faster" if c["better"] else ("yes" if c["no_worse"] else "NO")
         L.append(f"| {key} | {iv['ratio']:.3f}{_interval(iv)} | {fmt(bal.get('embrace_contiguous', {}))} | "
-                 f"{fmt(bal.get(SPEEDUP_SUBJECT, {}))} | {verdict} |")
+                 f"{fmt(bal.get(SPEEDUP_SUBJECT, {}))} | {verdict(iv)} |")
     L.append("")
     return L
 

@@ -22,17 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from statistics import NormalDist
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from embrace_fairseq.perf.bench.stats import CONFIDENCE, NO_WORSE_MARGIN, no_worse
+from embrace_fairseq.perf.bench.stats import CONFIDENCE, NO_WORSE_MARGIN, faster, no_worse, verdict
 
 # Student's t, two-sided 95 %: t_{0.975, df} for df = 1..30; beyond, the normal 1.96 is
 # within 2 % of it.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
          2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
          2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-_Z975 = 1.959964
+_Z975 = NormalDist().inv_cdf(0.975)
 
 
 def _t975(df: int) -> float:
@@ -88,7 +89,7 @@ def pool_layout_checks(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, runs in per_key.items():
         pooled = pooled_ratio(runs)
-        out[key] = {"runs": runs, "pooled": pooled, "no_worse": no_worse(pooled), "better": pooled["low"] > 1.0}
+        out[key] = {"runs": runs, "pooled": pooled, "no_worse": no_worse(pooled), "better": faster(pooled)}
     return out
 
 
@@ -104,8 +105,7 @@ def markdown(pooled: Dict[str, Any], sources: Sequence[str]) -> str:
         runs = "; ".join(f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" for r in c["runs"])
         p = c["pooled"]
         tau = "-" if math.isnan(p["tau"]) else f"{p['tau']:.3f}"
-        verdict = "yes, faster" if c["better"] else ("yes" if c["no_worse"] else "NO")
-        L.append(f"| {key} | {runs} | {tau} | {p['ratio']:.3f} [{p['low']:.3f}, {p['high']:.3f}] | {verdict} |")
+        L.append(f"| {key} | {runs} | {tau} | {p['ratio']:.3f} [{p['low']:.3f}, {p['high']:.3f}] | {verdict(p)} |")
     commits = sorted({str(r.get("commit"))[:12] for c in pooled.values() for r in c["runs"]})
     L += ["", "Commits measured: " + ", ".join(f"`{c}`" for c in commits) + "."]
     return "\n".join(L) + "\n"

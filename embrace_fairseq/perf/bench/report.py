@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
-from embrace_fairseq.perf.bench.stats import CONFIDENCE, no_worse, paired_ratio_interval
+from embrace_fairseq.perf.bench.stats import CONFIDENCE, faster, no_worse, paired_ratio_interval
 from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model
@@ -151,7 +151,7 @@ def layout_check(runs: List[Dict[str, Any]],
         for name, r in ((contiguous, c), (strided, e)):
             eb = r.get("exchange_balance") or {}
             bal[name] = {ph: eb[ph]["bytes_max_over_mean"] for ph in eb}
-        out[key] = {"contiguous_over_strided": iv, "no_worse": no_worse(iv), "better": iv["low"] > 1.0,
+        out[key] = {"contiguous_over_strided": iv, "no_worse": no_worse(iv), "better": faster(iv),
                     "owner_bytes_max_over_mean": bal}
     return out
 

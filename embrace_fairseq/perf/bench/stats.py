@@ -29,6 +29,20 @@ def no_worse(interval: Dict[str, float], margin: float = NO_WORSE_MARGIN) -> boo
     return interval["low"] >= 1.0 - margin
 
 
+def faster(interval: Dict[str, float]) -> bool:
+    """True when ``interval`` (of other / subject) lies wholly above 1.0: the subject is faster."""
+    return interval["low"] > 1.0
+
+
+def verdict(interval: Dict[str, float]) -> str:
+    """The reports' word for a no-slower check: ``"yes, faster"``, ``"yes"`` or ``"NO"``.
+
+    >>> verdict({"low": 1.01}), verdict({"low": 0.98}), verdict({"low": 0.9})
+    ('yes, faster', 'yes', 'NO')
+    """
+    return "yes, faster" if faster(interval) else ("yes" if no_worse(interval) else "NO")
+
+
 def ratio_of_medians(num: Sequence[float], den: Sequence[float]) -> float:
     return statistics.median(num) / statistics.median(den)
 
