@@ -72,10 +72,11 @@ def _assert_same(stock, ours, what):
 CASES = [
     # (task, stock arch, nproc, extra flags)
     ("translation", "transformer", 2, ["--clip-norm", "0.05"]),
-    ("translation", "transformer", 3, ["--share-all-embeddings", "--update-freq", "2"]),
-    # the LM on 3 ranks with tied embeddings runs in test_lm_three_ranks_and_eval_lm
+    # the LM on 3 ranks (uneven shards) with tied embeddings and update-freq 2 runs in
+    # test_lm_three_ranks_and_eval_lm
 ]
 SLOW_CASES = [
+    ("translation", "transformer", 3, ["--share-all-embeddings", "--update-freq", "2"]),
     ("language_modeling", "transformer_lm", 2, ["--share-decoder-input-output-embed", "--clip-norm", "0.05", "--update-freq", "2"]),
     ("translation", "transformer", 3, ["--share-decoder-input-output-embed", "--clip-norm", "0.05"]),
     ("language_modeling", "transformer_lm", 2, []),
@@ -107,10 +108,30 @@ def _valid_loss(run):
     return float(run.tagged("valid")[-1]["valid_loss"])
 
 
-def test_checkpoint_resume_reshard_and_tools(mt_data, tmp_path):
-    extra = ["--share-all-embeddings", "--save-interval-updates", "10"]
-    full = _train(mt_data, "embrace_transformer", tmp_path / "full", 2, extra)
-    ckpt = tmp_path / "full" / "checkpoint_last.pt"
+CKPT_EXTRA = ["--share-all-embeddings", "--save-interval-updates", "10"]
+
+
+def _train_with_checkpoints(mt_data, tmp_path):
+    full = _train(mt_data, "embrace_transformer", tmp_path / "full", 2, CKPT_EXTRA)
+    return full, tmp_path / "full" / "checkpoint_last.pt"
+
+
+def _validate_args(mt_data, ckpt):
+    # 24 valid sentences in batches of 4: 6 batches, an equal share for 1, 2 or 3 ranks
+    # (stock fairseq-validate fails on a rank whose share of batches is empty).
+    return [str(mt_data), "--path", str(ckpt), "--task", "translation", "--cpu", "--batch-size", "4",
+            "--required-batch-size-multiple", "1", "--log-format", "json"]
+
+
+def _assert_valid_loss(run, reported):
+    got = float(run.tagged("valid")[-1]["valid_loss"]) if run.tagged("valid") else None
+    assert got is not None and abs(got - reported) <= 1e-4 * abs(reported), (got, reported, run.output[-2000:])
+
+
+def test_checkpoint_resume_and_validate(mt_data, tmp_path):
+    """Full tables in the checkpoint; resuming at update 10 repeats updates 11..20; stock
+    fairseq-validate on one process reports the validation loss training reported."""
+    full, ckpt = _train_with_checkpoints(mt_data, tmp_path)
     from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
     from embrace_fairseq.guards.safe_load import load as safe_load
 
@@ -124,26 +145,26 @@ def test_checkpoint_resume_reshard_and_tools(mt_data, tmp_path):
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copy(tmp_path / "full" / "checkpoint_1_10.pt", resumed_dir / "checkpoint_last.pt")
-    resumed = _train(mt_data, "embrace_transformer", resumed_dir, 2, extra)
+    resumed = _train(mt_data, "embrace_transformer", resumed_dir, 2, CKPT_EXTRA)
     tail = {int(r["num_updates"]): float(r["loss"]) for r in full.updates if int(r["num_updates"]) > 10}
     again = {int(r["num_updates"]): float(r["loss"]) for r in resumed.updates}
     assert sorted(again) == list(range(11, 21))
     for k, v in tail.items():
         assert abs(again[k] - v) <= REL * abs(v), (k, again[k], v)
 
-    # The checkpoint of 2 ranks on 1 and 3 ranks: the validation loss training reported.
-    reported = _valid_loss(full)
-    # 24 valid sentences in batches of 4: 6 batches, an equal share for 1, 2 or 3 ranks
-    # (stock fairseq-validate fails on a rank whose share of batches is empty).
-    common = [str(mt_data), "--path", str(ckpt), "--task", "translation", "--cpu", "--batch-size", "4",
-              "--required-batch-size-multiple", "1", "--log-format", "json"]
-    one = run_fairseq_tool("fairseq-validate", common, env=PRECISE).check()
-    three = run_fairseq_train(common + ["--distributed-backend", "gloo"], nproc=3,
-                              script="fairseq-validate", env=PRECISE, json_log=False).check()
-    for run in (one, three):
-        got = float(run.tagged("valid")[-1]["valid_loss"]) if run.tagged("valid") else None
-        assert got is not None and abs(got - reported) <= 1e-4 * abs(reported), (got, reported, run.output[-2000:])
+    # The checkpoint of 2 ranks on 1 process: the validation loss training reported.
+    _assert_valid_loss(run_fairseq_tool("fairseq-validate", _validate_args(mt_data, ckpt), env=PRECISE).check(),
+                       _valid_loss(full))
 
+
+@pytest.mark.slow  # ~40 s: three more launches of stock tools on the checkpoint
+def test_checkpoint_on_three_ranks_and_generation_tools(mt_data, tmp_path):
+    """The checkpoint of 2 ranks validated on 3 (uneven shards) as training reported;
+    fairseq-generate and fairseq-interactive decode with it."""
+    full, ckpt = _train_with_checkpoints(mt_data, tmp_path)
+    three = run_fairseq_train(_validate_args(mt_data, ckpt) + ["--distributed-backend", "gloo"], nproc=3,
+                              script="fairseq-validate", env=PRECISE, json_log=False).check()
+    _assert_valid_loss(three, _valid_loss(full))
     gen = run_fairseq_tool("fairseq-generate", [str(mt_data), "--path", str(ckpt), "--cpu", "--beam", "2",
                                                 "--max-tokens", "400", "--gen-subset", "test"]).check()
     assert "Generate test with beam=2" in gen.output and gen.output.count("\nH-") >= 5
