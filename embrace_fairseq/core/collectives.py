@@ -315,6 +315,19 @@ def all_gather_rows(shard: torch.Tensor, sizes: Sequence[int], group: Group = No
     return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
 
 
+def all_gather_uneven_rows(rows: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
+    """Every rank's rows (``sizes[r]`` on rank ``r``) on every rank, in rank order, with
+    nothing padded on the wire: an AlltoAll that sends this rank's rows to each peer
+    once, ``(N-1) sizes[rank]`` rows sent, where the padded all-gather of
+    :func:`all_gather_rows` sends ``(N-1) max(sizes)``. For per-step token counts,
+    which differ between ranks by much more than a table's shards do."""
+    world = len(sizes)
+    out = rows.new_empty(sum(sizes), *rows.shape[1:])
+    all_to_all_single(out, rows.repeat(world, *([1] * (rows.dim() - 1))), list(sizes),
+                      [rows.shape[0]] * world, group)
+    return out
+
+
 def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
     """Sum a full-table tensor over ranks and keep this rank's ``sizes[rank]`` rows.
 

@@ -22,6 +22,7 @@ DENSE_GRAD = "dense_grad"  # all-reduce of replicated (dense) parameters
 HIDDEN_GATHER = "hidden_gather"  # vocab-parallel output: all-gather of the hidden states
 HIDDEN_GRAD = "hidden_grad"  # vocab-parallel output: reduce-scatter of the hidden states' gradients
 SOFTMAX_STATS = "softmax_stats"  # vocab-parallel output: counts, targets, per-token statistics
+PARAM_GATHER = "param_gather"  # ZeRO: all-gather of the updated parameter partitions (stock baselines)
 
 
 @dataclass

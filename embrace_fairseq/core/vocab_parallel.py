@@ -5,8 +5,9 @@ Each rank ``r`` of the data-parallel group keeps its rows ``S_r`` of the output 
 has its own ``T_r`` target positions with hidden states ``H_r``. One step
 (docs/DESIGN.md, "Vocab-parallel output layer"):
 
-1. all-gather ``H`` (padded to ``max T_r``: gloo's all-gather needs equal sizes) and
-   the targets; ``M = sum T_r`` tokens;
+1. all-gather ``H`` and the targets (one all-gather when every rank has as many
+   tokens; otherwise an AlltoAll that sends each rank's rows once, unpadded, since
+   gloo's and NCCL's all-gathers need equal sizes); ``M = sum T_r`` tokens;
 2. local logits ``Z_r = H W[S_r]^T``: ``M x |S_r|``, never ``M x V``;
 3. per token, combine over ranks: max ``m`` (all-reduce MAX), then the sum of
    exponentials ``s``, the target's logit ``z_y`` (from its owner) and, for label
@@ -75,14 +76,17 @@ def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
 
 
 def _all_gather_rows(x: torch.Tensor, counts: Sequence[int], group, ledgers, kind: str) -> torch.Tensor:
-    """Rows of every rank, in rank order (``sum(counts)`` rows): padded to the largest
-    count for the all-gather, unpadded after."""
+    """Rows of every rank, in rank order (``sum(counts)`` rows): an all-gather when the
+    counts are equal, else the unpadded AlltoAll (the same rows on the wire, no padding)."""
     rank, world = _world(group)
     if world == 1:
         return x
-    out = collectives.all_gather_rows(x, counts, group)
-    nbytes = (world - 1) * max(counts) * math.prod(x.shape[1:]) * x.element_size()
-    record_all(ledgers, kind, nbytes, nbytes)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    if min(counts) == max(counts):
+        out = collectives.all_gather_rows(x, counts, group)
+    else:
+        out = collectives.all_gather_uneven_rows(x, counts, group)
+    record_all(ledgers, kind, (world - 1) * counts[rank] * row, (sum(counts) - counts[rank]) * row)
     return out
 
 

@@ -28,11 +28,11 @@ def _lines(paths: Sequence[Path]) -> Iterator[str]:
                     yield line
 
 
-def trainer_options(vocab_size: int, seed: int = DEFAULT_SEED) -> Dict[str, object]:
+def trainer_options(vocab_size: int, seed: int = DEFAULT_SEED, model_type: str = "unigram") -> Dict[str, object]:
     """The full option set, also recorded in the manifest."""
     return dict(
         vocab_size=vocab_size,
-        model_type="unigram",
+        model_type=model_type,
         character_coverage=0.9999,
         input_sentence_size=0,
         shuffle_input_sentence=False,
@@ -45,9 +45,10 @@ def trainer_options(vocab_size: int, seed: int = DEFAULT_SEED) -> Dict[str, obje
 
 
 def train_spm(inputs: Sequence[Path], model_path: Path, vocab_size: int,
-              seed: int = DEFAULT_SEED) -> Path:
-    """Train on the lines of ``inputs`` (in order) and write ``model_path`` plus a ``.vocab``."""
-    opts = trainer_options(vocab_size, seed)
+              seed: int = DEFAULT_SEED, model_type: str = "unigram") -> Path:
+    """Train on the lines of ``inputs`` (in order) and write ``model_path`` plus a ``.vocab``
+    (``model_type``: sentencepiece's ``unigram`` or ``bpe``)."""
+    opts = trainer_options(vocab_size, seed, model_type)
     spm.set_random_generator_seed(int(opts.pop("random_seed")))
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=_lines(inputs), model_writer=buf,

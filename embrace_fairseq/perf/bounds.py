@@ -32,7 +32,7 @@ from embrace_fairseq.core.ring_volume import ring_allgather_bytes, ring_allreduc
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, ShardPlan
 from embrace_fairseq.perf.strategies import STRATEGIES, get_strategy  # noqa: F401  (re-exported)
 
-TIED_OUTPUT = (None, "gather")
+TIED_OUTPUT = (None, "gather", "vocab_parallel")
 
 
 def off_owner_unique_ids(ids_per_rank: Sequence[torch.Tensor], plan: ShardPlan) -> List[int]:
@@ -63,6 +63,7 @@ class StepIds:
     tied_output: Optional[str]
     exchanges_per_step: int
     layout: str = DEFAULT_LAYOUT
+    tokens_per_rank: Optional[Sequence[int]] = None
 
     @property
     def table_bytes(self) -> float:
@@ -83,7 +84,10 @@ class StepIds:
 
 def _check(step: StepIds) -> None:
     if step.tied_output not in TIED_OUTPUT:
-        raise ValueError(f"tied_output must be None or 'gather', got {step.tied_output!r}")
+        raise ValueError(f"tied_output must be None, 'gather' or 'vocab_parallel', got {step.tied_output!r}")
+    if step.tied_output == "vocab_parallel" and (step.tokens_per_rank is None
+                                                 or len(step.tokens_per_rank) != step.world_size):
+        raise ValueError("tied_output='vocab_parallel' needs tokens_per_rank, one count per rank")
     if step.world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {step.world_size}")
     if len(step.ids_per_rank) != step.world_size:
@@ -109,6 +113,7 @@ def min_bytes_per_step(
     tied_output: Optional[str] = None,
     exchanges_per_step: int = 1,
     layout: str = DEFAULT_LAYOUT,
+    tokens_per_rank: Optional[Sequence[int]] = None,
 ) -> Dict[str, float]:
     """Minimum bytes sent per rank per step, by kind, averaged over ranks; key ``total``.
 
@@ -123,9 +128,11 @@ def min_bytes_per_step(
         id_size: bytes per id on the wire (4: int32 holds any vocab below 2**31).
         tied_output: ``None`` (no output projection reads the table, or it is untied
             and so part of ``dense_numel``) or ``"gather"``: a tied output projection
-            reads the full table.
+            reads the full table (all-gather and reduce-scatter), or ``"vocab_parallel"``:
+            it is computed vocab-parallel (activations move instead of the table).
         exchanges_per_step: AlltoAll exchanges per step (each sends one header).
         layout: the tables' shard layout (which ids are local to which rank).
+        tokens_per_rank: target tokens of each rank (needed by ``"vocab_parallel"``).
 
     What each strategy must send is the strategy's registered formula, documented in
     :mod:`embrace_fairseq.perf.volume`. ``total`` is the sum of the kinds. A world of
@@ -133,7 +140,7 @@ def min_bytes_per_step(
     """
     spec = get_strategy(strategy)
     step = StepIds(world_size, vocab, dim, dense_numel, ids_per_rank, element_size, id_size, tied_output,
-                   exchanges_per_step, layout)
+                   exchanges_per_step, layout, tokens_per_rank)
     _check(step)
     if world_size == 1:
         return {"total": 0.0}

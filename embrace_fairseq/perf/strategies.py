@@ -133,6 +133,20 @@ register_strategy(
     volume=V.dense_allreduce, cost=LazyRef(_COSTS, "deepspeed"), build=LazyRef(_BUILDERS, "build_deepspeed"),
 )
 register_strategy(
+    "deepspeed_zero1", label="(b1) DeepSpeed ZeRO-1", short="ZeRO-1", aliases=("zero1", "b1"),
+    description="stock model, DeepSpeed ZeRO stage 1 (overlap_comm, contiguous_gradients, 25 MB buckets): "
+                "gradient buckets reduced after the backward, each rank steps its 1/N of the optimizer state, "
+                "the updated partitions all-gathered",
+    volume=V.zero_partitioned, cost=LazyRef(_COSTS, "zero1"), build=LazyRef(_BUILDERS, "build_deepspeed_zero1"),
+)
+register_strategy(
+    "deepspeed_zero2", label="(b2) DeepSpeed ZeRO-2", short="ZeRO-2", aliases=("zero2", "b2"),
+    description="stock model, DeepSpeed ZeRO stage 2 (overlap_comm, contiguous_gradients, 25 MB buckets): "
+                "gradients reduced in buckets during the backward and partitioned, each rank steps its 1/N, "
+                "the updated partitions all-gathered",
+    volume=V.zero_partitioned, cost=LazyRef(_COSTS, "zero2"), build=LazyRef(_BUILDERS, "build_deepspeed_zero2"),
+)
+register_strategy(
     "sparse_allgather", label="(c) sparse all-gather (DeepSpeed)", short="sparse all-gather", aliases=("sparse", "c"),
     description="nn.Embedding(sparse=True) under DeepSpeed: dense gradients all-reduced, the coalesced sparse "
                 "table gradient all-gathered (sizes, int64 indices, values, blocks padded to the largest)",

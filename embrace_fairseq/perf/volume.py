@@ -11,7 +11,7 @@ Key order matters: ``total`` is the sum of the values in insertion order.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Protocol
+from typing import Dict, Optional, Protocol, Sequence
 
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ring_volume import ring_allgather_bytes, ring_allreduce_bytes, ring_reduce_scatter_bytes
@@ -28,8 +28,9 @@ class StepTraffic(Protocol):
     dim: int
     element_size: int
     id_size: int
-    tied_output: Optional[str]  # None or "gather"
+    tied_output: Optional[str]  # None, "gather" or "vocab_parallel"
     exchanges_per_step: int
+    tokens_per_rank: Optional[Sequence[int]]  # target tokens of each rank ("vocab_parallel")
 
     @property
     def table_bytes(self) -> float: ...
@@ -56,6 +57,19 @@ def dense_allreduce(step: StepTraffic) -> Dict[str, float]:
             K.DENSE_GRAD: ring_allreduce_bytes(step.dense_bytes, n)}
 
 
+def zero_partitioned(step: StepTraffic) -> Dict[str, float]:
+    """DeepSpeed ZeRO stage 1 or 2: each rank needs the sum of its partition of every
+    gradient (``table_grad``, ``dense_grad``: ring reduce-scatter, (N-1)/N of the
+    payload) and, after stepping its partition, every other rank's updated partition
+    (``param_gather``: ring all-gather of the parameters). Together the volume of an
+    all-reduce; DeepSpeed's default reduction (``use_multi_rank_bucket_allreduce``)
+    all-reduces the buckets instead, (N-1)/N more, which the counted bytes show."""
+    n = step.world_size
+    return {K.TABLE_GRAD: ring_reduce_scatter_bytes(step.table_bytes, n),
+            K.DENSE_GRAD: ring_reduce_scatter_bytes(step.dense_bytes, n),
+            K.PARAM_GATHER: ring_allgather_bytes(step.table_bytes + step.dense_bytes, n)}
+
+
 def sparse_allgather(step: StepTraffic) -> Dict[str, float]:
     """``nn.Embedding(sparse=True)`` under DeepSpeed: every rank all-gathers every rank's
     coalesced gradient, ``ids`` = (N-1)/N · Σ_r U_r·id_size, ``grad_rows`` = (N-1)/N ·
@@ -76,6 +90,28 @@ def sparse_allgather(step: StepTraffic) -> Dict[str, float]:
     return out
 
 
+def vocab_parallel_output(step: StepTraffic) -> Dict[str, float]:
+    """The vocab-parallel output layer under cross entropy, ``T_r`` target tokens on rank
+    ``r``, ``M = sum T_r``: each rank sends its hidden states to every other rank
+    (``hidden_gather`` = (N-1)·T_r·D·e) and the rows of the others' tokens of its
+    hidden-state gradient to their owners (``hidden_grad`` = (M-T_r)·D·e); averaged over
+    ranks both are (N-1)·mean(T)·D·e. ``softmax_stats``: a count to each peer (8 bytes),
+    the targets (id_size) and the upstream per-token gradients (4 bytes) to each peer,
+    and ring all-reduces of three floats per token (max; sum of exponentials and the
+    target's logit). Label smoothing (one more float per token each way) and accuracy
+    (one int64 all-reduce) are not counted: the benchmark's criterion uses neither."""
+    n = step.world_size
+    tokens = list(step.tokens_per_rank or [])
+    m = float(sum(tokens))
+    per_peer = (n - 1) * m / n  # mean over ranks of (N-1)·T_r
+    row = step.dim * step.element_size
+    return {
+        K.SOFTMAX_STATS: (n - 1) * 8.0 + per_peer * (step.id_size + 4) + 3 * ring_allreduce_bytes(m * 4, n),
+        K.HIDDEN_GATHER: per_peer * row,
+        K.HIDDEN_GRAD: per_peer * row,
+    }
+
+
 def embrace_exchange(step: StepTraffic) -> Dict[str, float]:
     """EmbRace, with or without the schedule (it only reorders): with the contiguous
     ShardPlan, M = Σ_r (unique ids of rank r owned by another rank); per rank on average
@@ -87,7 +123,9 @@ def embrace_exchange(step: StepTraffic) -> Dict[str, float]:
     (``"gather"``) adds ``table_gather`` and ``table_grad`` (reduce-scatter), (N-1)/N·
     V·D·e each, together the table's all-reduce (gloo's padding of uneven shards not
     counted). A tighter tied design could fold lookups into the gathered table; the
-    figure follows this design, so it bounds what this design can send."""
+    figure follows this design, so it bounds what this design can send. A tied
+    projection read vocab-parallel (``"vocab_parallel"``) adds
+    :func:`vocab_parallel_output` instead."""
     n = step.world_size
     m = step.off_owner_total
     out: Dict[str, float] = {
@@ -99,5 +137,7 @@ def embrace_exchange(step: StepTraffic) -> Dict[str, float]:
     if step.tied_output == "gather":
         out[K.TABLE_GATHER] = ring_allgather_bytes(step.table_bytes, n)
         out[K.TABLE_GRAD] = ring_reduce_scatter_bytes(step.table_bytes, n)
+    elif step.tied_output == "vocab_parallel":
+        out.update(vocab_parallel_output(step))
     out[K.DENSE_GRAD] = ring_allreduce_bytes(step.dense_bytes, n)
     return out

@@ -52,6 +52,31 @@ def test_embrace_hand_count(strategy):
     assert local["ids"] == local["rows"] == local["grad_rows"] == 0.0
 
 
+@pytest.mark.parametrize("strategy", ["deepspeed_zero1", "deepspeed_zero2"])
+def test_zero_reduce_scatters_and_gathers_the_parameters(strategy):
+    b = _bounds(strategy)
+    # 2 ranks: a reduce-scatter sends half of the gradients, the all-gather half of the parameters
+    assert b == {"table_grad": 80.0, "dense_grad": 200.0, "param_gather": 280.0, "total": 560.0}
+    b4 = _bounds(strategy, world_size=4, ids_per_rank=IDS_2 * 2)
+    assert b4["param_gather"] == 3 / 4 * 560 and b4["total"] == 2 * 3 / 4 * 560  # an all-reduce's worth
+
+
+def test_embrace_vocab_parallel_output_hand_count():
+    # 2 ranks with 3 and 5 target tokens, D=4 fp32 rows of 16 bytes, int32 ids
+    b = _bounds("embrace_schedule", tied_output="vocab_parallel", tokens_per_rank=[3, 5])
+    # each rank sends its own states to the other and the other's rows of the gradient back:
+    # rank 0 3 rows out, 5 back; rank 1 5 out, 3 back; a mean of 4 rows each way
+    assert b["hidden_gather"] == 4 * 16 and b["hidden_grad"] == 4 * 16
+    # a count (int64), the targets (int32) and upstream gradients (fp32) of 4 tokens on
+    # average, and three ring all-reduces of one float per token over the 8 tokens
+    assert b["softmax_stats"] == 8 + 4 * (4 + 4) + 3 * 8 * 4
+    assert "table_gather" not in b and b["total"] == 440.0 + 64 + 64 + 8 + 32 + 96
+    with pytest.raises(ValueError, match="tokens_per_rank"):
+        _bounds("embrace_schedule", tied_output="vocab_parallel")
+    with pytest.raises(ValueError, match="tokens_per_rank"):
+        _bounds("embrace_schedule", tied_output="vocab_parallel", tokens_per_rank=[3])
+
+
 def test_embrace_is_flat_in_n_and_sparse_grows():
     # the same 3 unique remote ids per rank, N = 2..8: EmbRace's per-rank volume stays,
     # the all-gather's grows with N
@@ -77,7 +102,7 @@ def test_world_of_one_and_bad_input():
     with pytest.raises(ValueError, match="outside"):
         _bounds("embrace_schedule", ids_per_rank=[torch.tensor([10]), torch.tensor([0])])
     with pytest.raises(ValueError, match="tied_output"):
-        _bounds("embrace_schedule", tied_output="vocab_parallel")
+        _bounds("embrace_schedule", tied_output="full_logits")
     assert set(STRATEGIES) >= {"fairseq_legacy_ddp", "deepspeed", "sparse_allgather", "embrace_schedule"}
 
 

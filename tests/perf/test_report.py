@@ -32,7 +32,8 @@ def _result():
                           [2.0, 1.0]),
              _rank_record(1, {"fairseq_legacy_ddp": [2.0, 1.0], "embrace_schedule": [0.25, 1.5]}, embrace_bytes,
                           [2.0, 1.0])]
-    batches = SimpleNamespace(workload=SimpleNamespace(model_args=[]), ids=lambda step, rank: IDS[rank])
+    batches = SimpleNamespace(workload=SimpleNamespace(model_args=[]), ids=lambda step, rank: IDS[rank],
+                              target_tokens=lambda step, rank: 5)
     meta = {"mode": "quick", "command": "test", "wall_s": 1.0, "versions": {}, "fallback_loopback": True,
             "fallback_reason": "test", "machine": {"cpus": 2, "load_at_start": [0.0]},
             "schedule": {"warmup": 0, "rounds": 1, "steps_per_round": 2, "interleaving": "-"}}

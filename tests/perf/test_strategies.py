@@ -13,8 +13,9 @@ from embrace_fairseq.perf.bounds import min_bytes_per_step
 from embrace_fairseq.perf.simulator import Network, Prediction, Profile, predict
 
 REPO = Path(__file__).resolve().parents[2]
-NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "sparse_allgather", "embrace_noschedule",
-         "embrace_schedule", "embrace_contiguous")
+NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
+         "embrace_noschedule", "embrace_schedule", "embrace_contiguous")
+ZERO = ("deepspeed_zero1", "deepspeed_zero2")  # reduce-scatter the gradients, all-gather the parameters
 
 
 def _tiny_profile(tied=None):
@@ -36,7 +37,8 @@ def test_every_strategy_has_all_parts(name):
     # volume: bytes by kind for a step on 2 ranks
     ids = [torch.tensor([0, 1, 60]), torch.tensor([55, 3])]
     vol = min_bytes_per_step(name, world_size=2, vocab=100, dim=4, dense_numel=120, ids_per_rank=ids)
-    assert vol[K.DENSE_GRAD] == 120 * 4 and vol["total"] == pytest.approx(sum(v for k, v in vol.items() if k != "total"))
+    # the dense gradients all-reduced (2 ranks: the payload), or reduce-scattered under ZeRO
+    assert vol[K.DENSE_GRAD] == 120 * 4 / (2 if name in ZERO else 1) and vol["total"] == pytest.approx(sum(v for k, v in vol.items() if k != "total"))
     # simulator cost: a prediction for this strategy (its cost function is importable)
     pred = spec.cost.resolve()  # an ImportError or AttributeError here is a broken registration
     assert callable(pred)
@@ -59,7 +61,7 @@ def test_unknown_names_raise_naming_the_known_ones():
                  lambda: min_bytes_per_step("horovod", world_size=1, vocab=5, dim=2, dense_numel=0,
                                             ids_per_rank=[torch.tensor([1])])):
         with pytest.raises(ValueError, match="unknown strategy 'horovod'; expected one of fairseq_legacy_ddp, "
-                                             "fairseq_c10d, deepspeed, sparse_allgather, embrace_noschedule, "
+                                             "fairseq_c10d, deepspeed, deepspeed_zero1, deepspeed_zero2, sparse_allgather, embrace_noschedule, "
                                              "embrace_schedule"):
             call()
 
@@ -68,6 +70,7 @@ def test_aliases_resolve_to_one_strategy():
     assert S.canonical_strategy("e") == "embrace_schedule"
     assert S.canonical_strategy("  Legacy-DDP ") == "fairseq_legacy_ddp"
     assert S.canonical_strategy("ZeRO0") == "deepspeed"
+    assert S.canonical_strategy("ZeRO1") == "deepspeed_zero1" and S.canonical_strategy("b2") == "deepspeed_zero2"
     assert S.canonical_strategy("embrace-no-schedule") == "embrace_noschedule"
     for alias, name in S.aliases().items():
         assert name in NAMES and alias not in NAMES

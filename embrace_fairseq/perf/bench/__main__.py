@@ -31,7 +31,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.bench", description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="2 and 4 ranks, 1 Gbit/s, fewer steps, smaller LM")
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/bench/<quick|full>)")
-    p.add_argument("--models", default="lm,translation", help="comma list of: lm, translation")
+    p.add_argument("--models", default="lm,translation", help="comma list of: lm (untied LM), translation, gpt_lm (tied GPT-style LM, 32k BPE)")
     p.add_argument("--worlds", default="2,4", help="comma list of rank counts")
     p.add_argument("--gbit", default=None, help="comma list of link rates in Gbit/s (default 1 quick, 1,10 full)")
     p.add_argument("--latency-ms", type=float, default=0.1, help="one-way rank-to-rank latency (needs sch_netem)")
@@ -143,8 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     from embrace_fairseq.perf.bench.workloads import (
         build_task_and_batches,
-        lm_dictionary,
-        lm_stream,
+        prepare_shared_inputs,
         workloads,
     )
 
@@ -163,8 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         (a.out / sub).mkdir()
     a.cache = Path(tempfile.gettempdir()) / "embrace_bench_cache"
     # shared inputs once, before the ranks start (they read the cache)
-    if "lm" in a.models:
-        lm_stream(a.data, a.cache, lm_dictionary(a.data, a.cache))
+    prepare_shared_inputs(a.models, a.data, a.cache)
     links = [NC.LinkSpec(g, a.latency_ms) for g in a.gbit]
     raw: List[Dict[str, Any]] = []
     for model in a.models:

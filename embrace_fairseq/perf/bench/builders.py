@@ -3,12 +3,19 @@
 (a) ``fairseq_legacy_ddp`` / ``fairseq_c10d``: the stock fairseq model under fairseq's
     ``DistributedFairseqModel`` (``LegacyDistributedDataParallel``; torch DDP for c10d);
 (b) ``deepspeed``: the stock model under the stock DeepSpeed engine (ZeRO stage 0);
+(b1) ``deepspeed_zero1`` / (b2) ``deepspeed_zero2``: the stock model under DeepSpeed ZeRO
+    stage 1 / 2 as DeepSpeed users run it (:data:`ZERO_TUNING`: ``overlap_comm``,
+    ``contiguous_gradients``, 25 MB buckets): gradients reduced in buckets (during the
+    backward at stage 2), each rank steps its partition of the optimizer state, the
+    updated partitions all-gathered;
 (c) ``sparse_allgather``: the stock model with ``nn.Embedding(sparse=True)`` under
     DeepSpeed, which all-gathers the sparse gradient's indices and values; the torch Adam
     then gets the gathered gradient as a dense tensor (it takes no sparse gradients);
 (d) ``embrace_noschedule``: the EmbRace architecture on DeepSpeed with the EmbRace hook,
     schedule off (``overlap``, ``model_level``, ``tensor_level`` false);
 (e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults);
+    in both, a tied output table is read as ``--embrace-output auto`` (the default)
+    decides per step: vocab-parallel when it moves fewer bytes than gathering the table;
 (e') ``embrace_contiguous``: (e) with contiguous shards (rank 0 owns the most frequent
     words of the frequency-sorted dictionary) instead of the default strided ones.
 
@@ -70,13 +77,28 @@ def _loss(criterion, model_like, batch) -> torch.Tensor:
     return loss / max(1, sample_size)
 
 
-def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int) -> Dict[str, Any]:
+#: ZeRO settings of the stock ZeRO baselines, as DeepSpeed's tuning guide sets them: gradient
+#: reduction overlapped with the backward, gradients copied into one contiguous buffer, and
+#: buckets of 25 MB of fp32 (torch DDP's default; DeepSpeed's 5e8 elements would make one
+#: bucket of these models and leave nothing to overlap).
+ZERO_BUCKET_NUMEL = 25 * 2**20 // 4
+ZERO_TUNING: Dict[str, Any] = {
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "reduce_bucket_size": ZERO_BUCKET_NUMEL,
+    "allgather_bucket_size": ZERO_BUCKET_NUMEL,
+}
+
+
+def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int,
+               zero: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch_rows,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; fairseq's default is no clipping
         "steps_per_print": 10**9,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": zero or {"stage": 0},
     }
     if embrace is not None:
         cfg["embrace"] = embrace
@@ -133,8 +155,9 @@ def _on_deepspeed(name: str, model: torch.nn.Module, criterion: Any, engine: Any
     return Strategy(name, model, ds_step, engine=engine, extra={"optimizer": opt, "criterion": criterion})
 
 
-def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool) -> Strategy:
-    """The stock model under the stock engine; ``sparse``: its token table sparse."""
+def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, zero_stage: int = 0) -> Strategy:
+    """The stock model under the stock engine; ``sparse``: its token table sparse;
+    ``zero_stage`` 1 or 2: ZeRO with :data:`ZERO_TUNING`."""
     import deepspeed
 
     criterion = W.build_criterion(w, task)
@@ -143,7 +166,8 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool) ->
         table = model.encoder.embed_tokens if w.name == "translation" else model.decoder.embed_tokens
         table.sparse = True
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(None, ROWS_PER_RANK))
+    zero = {"stage": zero_stage, **ZERO_TUNING} if zero_stage else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(None, ROWS_PER_RANK, zero))
     return _on_deepspeed(name, model, criterion, engine, opt, sparse)
 
 
@@ -152,9 +176,11 @@ def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_pr
     """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on or off;
     ``shard_layout``: the ``"embrace"`` section's layout (None: the default)."""
     from embrace_fairseq.deepspeed_adapter import initialize
+    from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
 
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.embrace_arch, task, data)
+    configure(model, criterion)  # what fairseq's Trainer does: a tied output read vocab-parallel when cheaper
     section: Dict[str, Any] = {} if schedule else {"overlap": False, "model_level": False, "tensor_level": False}
     if trace_prefix:
         section["trace"] = trace_prefix
@@ -182,6 +208,16 @@ def build_c10d(name: str, w: W.Workload, task: Any, data, counter: CollectiveCou
 def build_deepspeed(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                     trace_prefix: Optional[str] = None) -> Strategy:
     return _deepspeed_stock(name, w, task, data, sparse=False)
+
+
+def build_deepspeed_zero1(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                          trace_prefix: Optional[str] = None) -> Strategy:
+    return _deepspeed_stock(name, w, task, data, sparse=False, zero_stage=1)
+
+
+def build_deepspeed_zero2(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                          trace_prefix: Optional[str] = None) -> Strategy:
+    return _deepspeed_stock(name, w, task, data, sparse=False, zero_stage=2)
 
 
 def build_sparse_allgather(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

@@ -119,8 +119,24 @@ def counting(counter: CollectiveCounter) -> Iterator[CollectiveCounter]:
     wrap("all_to_all", all_to_all)
     wrap("reduce_scatter_tensor", reduce_scatter_tensor)
     wrap("broadcast", broadcast)
+    # DeepSpeed's torch backend keeps the all-gather it found at start-up
+    # (``all_gather_function``, ZeRO's parameter all-gather): point it at the wrapper too
+    backend = _deepspeed_backend()
+    kept = getattr(backend, "all_gather_function", None)
+    if kept is not None and kept is originals.get("all_gather_into_tensor"):
+        backend.all_gather_function = dist.all_gather_into_tensor
     try:
         yield counter
     finally:
         for name, orig in originals.items():
             setattr(dist, name, orig)
+        if kept is not None:
+            backend.all_gather_function = kept
+
+
+def _deepspeed_backend():
+    """DeepSpeed's communication backend object when DeepSpeed set one up, else None."""
+    import sys
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    return getattr(comm, "cdb", None) if comm is not None else None

@@ -119,8 +119,11 @@ def _goal_line(model: str, k: str, v: Dict[str, Any]) -> str:
     m = v.get("measured")
     state = "met" if v.get("met") else ("n/a" if v.get("met") is None else "MISSED")
     extra = ""
+    if v.get("interval"):
+        lo, hi = v["interval"]
+        extra = f" [{lo:.2f}, {hi:.2f}], judged on the interval's lower end"
     if k.startswith("speedup") and not v["met"]:
-        extra = f" (short by {v['shortfall']:.2f}x)"
+        extra += f" (short by {v['shortfall']:.2f}x)"
     if k == "schedule_vs_noschedule":
         hs = v.get("hidden_share")
         extra = f"; hidden share of communication {'-' if hs is None else f'{100 * hs:.0f}%'} with the schedule"

@@ -47,7 +47,7 @@ def _diff(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]
 
 # stock paths: counted op -> report kind
 _STOCK_KINDS = {"all_reduce": "dense_allreduce", "all_gather": "sparse_allgather",
-                "all_gather_into_tensor": "sparse_allgather", "broadcast": "broadcast",
+                "all_gather_into_tensor": "param_allgather", "broadcast": "broadcast",
                 "all_to_all_single": "alltoall", "reduce_scatter_tensor": "reduce_scatter"}
 # EmbRace ledger kind -> report kind
 _LEDGER_KINDS = {"dense_grad": "dense_allreduce"}

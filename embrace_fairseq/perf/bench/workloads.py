@@ -1,4 +1,4 @@
-"""The benchmark's two models and their batches, built with fairseq from the prepared data.
+"""The benchmark's models and their batches, built with fairseq from the prepared data.
 
 * ``translation``: the main job's Transformer (2+2 layers, d=256, ffn 512, 4 heads,
   all embeddings tied, joint 8k sentencepiece vocabulary) on the German-English
@@ -8,7 +8,11 @@
   train split in blocks of ``tokens_per_sample``. Input embedding untied from an
   adaptive softmax output, so the input table dominates the parameters, as in the
   large-vocabulary LMs EmbRace targets (a tied output would move the full table in
-  every strategy).
+  every strategy). Named "untied LM" in the reports.
+* ``gpt_lm``: a GPT-style Transformer LM as fairseq users build one: input and output
+  tables tied (``--share-decoder-input-output-embed``), full softmax, over a 32k
+  sentencepiece BPE vocabulary trained on the same English train split (every piece of
+  the model in the dictionary, sorted by frequency as ``fairseq-preprocess`` sorts).
 
 Both strategies of a pair (stock / EmbRace) are built from the same fairseq arguments
 with the same seed; batch ``(step, rank)`` is a pure function of the workload and the
@@ -30,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 @dataclass(frozen=True)
 class Workload:
-    name: str  # "translation" | "lm"
+    name: str  # "translation" | "lm" | "gpt_lm"
     stock_arch: str
     embrace_arch: str
     model_args: Tuple[str, ...]
@@ -49,10 +53,17 @@ TRANSLATION_MODEL = (
 )
 
 
+GPT_BPE_VOCAB = 32000  # sentencepiece pieces of the GPT-style LM's vocabulary
+LM_SAMPLE = 128  # tokens per sample of both LMs
+
+
 def workloads(quick: bool) -> Dict[str, Workload]:
-    """The two models; quick mode keeps the translation model and shrinks the LM and the batches."""
+    """The models; quick mode keeps the translation model and shrinks the LMs and the batches."""
     lm_dim = 96 if quick else 192
     lm_layers = 1 if quick else 2
+    decoder = ("--decoder-layers", str(lm_layers), "--decoder-embed-dim", str(lm_dim),
+               "--decoder-input-dim", str(lm_dim), "--decoder-output-dim", str(lm_dim),
+               "--decoder-ffn-embed-dim", str(4 * lm_dim), "--decoder-attention-heads", "4", "--dropout", "0.0")
     return {
         "translation": Workload(
             "translation", "transformer", "embrace_transformer", TRANSLATION_MODEL,
@@ -61,15 +72,23 @@ def workloads(quick: bool) -> Dict[str, Workload]:
         ),
         "lm": Workload(
             "lm", "transformer_lm", "embrace_transformer_lm",
-            ("--decoder-layers", str(lm_layers), "--decoder-embed-dim", str(lm_dim),
-             "--decoder-input-dim", str(lm_dim), "--decoder-output-dim", str(lm_dim),
-             "--decoder-ffn-embed-dim", str(4 * lm_dim), "--decoder-attention-heads", "4",
-             "--adaptive-softmax-cutoff", "5000,20000", "--adaptive-softmax-factor", "4",
-             "--dropout", "0.0", "--adaptive-softmax-dropout", "0.0"),
+            (*decoder, "--adaptive-softmax-cutoff", "5000,20000", "--adaptive-softmax-factor", "4",
+             "--adaptive-softmax-dropout", "0.0"),
             ("--task", "language_modeling"),
-            tokens_per_rank=4 * 128, tokens_per_sample=128, criterion="adaptive_loss",
+            tokens_per_rank=4 * LM_SAMPLE, tokens_per_sample=LM_SAMPLE, criterion="adaptive_loss",
+        ),
+        "gpt_lm": Workload(
+            "gpt_lm", "transformer_lm", "embrace_transformer_lm",
+            (*decoder, "--share-decoder-input-output-embed"),
+            ("--task", "language_modeling"),
+            tokens_per_rank=4 * LM_SAMPLE, tokens_per_sample=LM_SAMPLE,
         ),
     }
+
+
+def tied_output(w: Workload) -> bool:
+    """Does the output projection read the token table (tied embeddings)?"""
+    return any(f in w.model_args for f in ("--share-all-embeddings", "--share-decoder-input-output-embed"))
 
 
 # ---------------------------------------------------------------------- fairseq arguments, task, model
@@ -114,6 +133,72 @@ def lm_dictionary(data: Path, cache_dir: Path):
     return d
 
 
+def _save_atomic(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def bpe_model(data: Path, cache_dir: Path) -> Path:
+    """The GPT-style LM's sentencepiece BPE model (:data:`GPT_BPE_VOCAB` pieces), trained
+    once on the English train split and cached."""
+    from embrace_fairseq.data_prep.spm import train_spm
+
+    path = cache_dir / f"sotu_bpe{GPT_BPE_VOCAB}.model"
+    if not path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"sotu_bpe{GPT_BPE_VOCAB}.{os.getpid()}.model"
+        train_spm([data / "lm" / "raw" / "train.txt"], tmp, GPT_BPE_VOCAB, model_type="bpe")
+        os.replace(tmp, path)
+        tmp.with_suffix(".vocab").unlink(missing_ok=True)
+    return path
+
+
+def bpe_corpus(data: Path, cache_dir: Path) -> Tuple[Any, torch.Tensor]:
+    """(fairseq Dictionary, train stream of its ids with one eos per line) of the BPE
+    model: every piece in the dictionary (the unseen ones with count 0), sorted by their
+    count over all SOTU text as fairseq-preprocess sorts; cached."""
+    import sentencepiece as spm
+    from fairseq.data import Dictionary
+
+    dict_path = cache_dir / f"sotu_bpe{GPT_BPE_VOCAB}.dict.txt"
+    stream_path = cache_dir / f"sotu_bpe{GPT_BPE_VOCAB}_train.pt"
+    if dict_path.exists() and stream_path.exists():
+        return Dictionary.load(str(dict_path)), torch.load(stream_path)
+    proc = spm.SentencePieceProcessor(model_file=str(bpe_model(data, cache_dir)))
+    encoded: Dict[str, List[List[int]]] = {}
+    for split in ("train", "valid", "test"):
+        with open(data / "lm" / "raw" / f"{split}.txt", encoding="utf-8") as f:
+            encoded[split] = proc.encode([line.rstrip("\n") for line in f])
+    counts = collections.Counter(i for lines in encoded.values() for line in lines for i in line)
+    pieces = [proc.id_to_piece(i) for i in range(proc.get_piece_size())]
+    d = Dictionary()
+    for i in sorted(range(len(pieces)), key=lambda i: (-counts[i], pieces[i])):
+        if not proc.is_control(i):
+            d.add_symbol(pieces[i], counts[i])
+    to_dict = torch.tensor([d.index(p) for p in pieces], dtype=torch.long)
+    ids: List[int] = []
+    for line in encoded["train"]:
+        ids.extend(line)
+        ids.append(-1)
+    t = torch.tensor(ids, dtype=torch.long)
+    eos = t.eq(-1)
+    stream = torch.where(eos, torch.full_like(t, d.eos()), to_dict[t.clamp(min=0)])
+    tmp = dict_path.with_suffix(f".{os.getpid()}.tmp")
+    d.save(str(tmp))
+    os.replace(tmp, dict_path)
+    _save_atomic(stream, stream_path)
+    return d, stream
+
+
+def prepare_shared_inputs(models: List[str], data: Path, cache_dir: Path) -> None:
+    """Build the cached dictionaries and streams once, before the ranks start."""
+    if "lm" in models:
+        lm_stream(data, cache_dir, lm_dictionary(data, cache_dir))
+    if "gpt_lm" in models:
+        bpe_corpus(data, cache_dir)
+
+
 def lm_stream(data: Path, cache_dir: Path, dictionary) -> torch.Tensor:
     """The train split as word ids (one eos per line), cached next to the dictionary."""
     path = cache_dir / "sotu_train_words.pt"
@@ -125,9 +210,7 @@ def lm_stream(data: Path, cache_dir: Path, dictionary) -> torch.Tensor:
             ids.extend(dictionary.index(w) for w in line.split())
             ids.append(dictionary.eos())
     t = torch.tensor(ids, dtype=torch.long)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(t, tmp)
-    os.replace(tmp, path)
+    _save_atomic(t, path)
     return t
 
 
@@ -156,6 +239,10 @@ class Batches:
         return {"id": torch.arange(n_blocks), "nsentences": n_blocks, "ntokens": int(tgt.numel()),
                 "net_input": {"src_tokens": src, "src_lengths": torch.full((n_blocks,), w.tokens_per_sample)},
                 "target": tgt}
+
+    def target_tokens(self, step: int, rank: int) -> int:
+        """Target tokens of the batch (the positions its loss is computed on)."""
+        return int(self.get(step, rank)["ntokens"])
 
     def ids(self, step: int, rank: int) -> torch.Tensor:
         """Every id the batch looks up in the token table (one exchange per step)."""
@@ -187,8 +274,11 @@ def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: 
         batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
         task = BenchTask(source_dictionary=src_dict, target_dictionary=tgt_dict)
         return Batches(w, world_size, task, _pairs=pairs, _batches=batches)
-    dictionary = lm_dictionary(data, cache_dir)
-    stream = lm_stream(data, cache_dir, dictionary)
+    if w.name == "gpt_lm":
+        dictionary, stream = bpe_corpus(data, cache_dir)
+    else:
+        dictionary = lm_dictionary(data, cache_dir)
+        stream = lm_stream(data, cache_dir, dictionary)
     task = BenchTask(source_dictionary=dictionary, target_dictionary=dictionary)
     return Batches(w, world_size, task, _stream=stream)
 

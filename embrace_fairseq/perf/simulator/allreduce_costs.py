@@ -29,6 +29,42 @@ def deepspeed(ctx: CostContext) -> Prediction:
     return _flat_allreduce(ctx, ctx.opts.deepspeed_bucket_numel)
 
 
+def _zero(ctx: CostContext, during_backward: bool) -> Prediction:
+    """DeepSpeed ZeRO as the baselines run it: gradient buckets all-reduced (DeepSpeed's
+    default reduction), after the backward (stage 1) or in readiness order during it
+    (stage 2, ``overlap_comm``); each rank steps 1/N of the optimizer state; the updated
+    partitions all-gathered in buckets."""
+    e, n, net = ctx.profile.element_size, ctx.world_size, ctx.net
+    F, B, O = ctx.forward_s, ctx.backward_s, ctx.optimizer_s / max(1, n)
+    cap = ctx.opts.zero_bucket_numel
+    numels = [ctx.table_numel] + ctx.dense_numels
+    gather = sum(net.allgather(b * e, n) for b in flat_buckets(numels, cap))
+    if during_backward:
+        specs = [TensorSpec("embed_tokens", ctx.table_numel, e, 0)] + dense_specs(ctx.profile, False)
+        ready = ready_times(specs[1:], B)
+        ready_all = {0: B, **{i + 1: t for i, t in ready.items()}}
+        order = sorted(range(len(specs)), key=lambda i: (ready_all[i], -i))
+        jobs = [Job(f"b{b.index}", F + max(ready_all[i] for i in b.tensors), net.allreduce(b.nbytes, n), (b.index,))
+                for b in make_buckets(specs, order, cap * e)]
+        reduce_end = max([F + B] + [s[1] for s in run_link(jobs).values()])
+        reduce = sum(j.duration for j in jobs)
+    else:
+        reduce = sum(net.allreduce(b * e, n) for b in flat_buckets(numels, cap))
+        reduce_end = F + B + reduce
+    step = reduce_end + O + gather
+    comm = reduce + gather
+    compute = F + B + O  # the optimizer's share of this rank: 1/N of the state
+    return Prediction(ctx.strategy, n, step, compute, comm, step - compute, {"allreduce_s": reduce, "allgather_s": gather})
+
+
+def zero1(ctx: CostContext) -> Prediction:
+    return _zero(ctx, during_backward=False)
+
+
+def zero2(ctx: CostContext) -> Prediction:
+    return _zero(ctx, during_backward=True)
+
+
 def c10d(ctx: CostContext) -> Prediction:
     """torch DDP: buckets all-reduced in readiness order while the backward runs; the
     table is used at the input (and at the output when tied), so it is ready last."""

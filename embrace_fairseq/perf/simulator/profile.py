@@ -89,6 +89,7 @@ class Options:
     legacy_ddp_buffer_numel: int = 2**28  # fairseq LegacyDistributedDataParallel
     c10d_bucket_bytes: int = 25 << 20  # fairseq --bucket-cap-mb 25
     deepspeed_bucket_numel: int = 500_000_000  # reduce_bucket_size
+    zero_bucket_numel: int = 25 * 2**20 // 4  # the ZeRO baselines' tuned reduce/allgather_bucket_size
     embrace_bucket_bytes: int = 4 << 20  # ScheduleOptions defaults
     embrace_piece_bytes: int = 1 << 20
     defer_rows: bool = True  # relaxed embedding dependency
