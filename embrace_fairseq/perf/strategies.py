@@ -162,6 +162,15 @@ register_strategy(
     build=LazyRef(_BUILDERS, "build_embrace_noschedule"), shards_table=True,
 )
 register_strategy(
+    "embrace_fifo", label="(d') EmbRace, FIFO overlap", short="EmbRace FIFO",
+    aliases=("fifo",),
+    description="EmbRace on DeepSpeed with plain overlap, the schedule's ablation baseline: the dense all-reduce "
+                "buckets issued during the backward in the order they become ready, whole (no model-level priority, "
+                "no tensor-level pieces)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "fifo"),
+    build=LazyRef(_BUILDERS, "build_embrace_fifo"), shards_table=True,
+)
+register_strategy(
     "embrace_schedule", label="(e) EmbRace, 2D schedule", short="EmbRace schedule", aliases=("embrace", "e"),
     description="EmbRace with the 2D schedule: the same traffic on one priority link, the forward exchange first, "
                 "dense pieces during the backward input-near first, urgent gradient rows before deferred ones",

@@ -13,6 +13,8 @@
     then gets the gathered gradient as a dense tensor (it takes no sparse gradients);
 (d) ``embrace_noschedule``: the EmbRace architecture on DeepSpeed with the EmbRace hook,
     schedule off (``overlap``, ``model_level``, ``tensor_level`` false);
+(d') ``embrace_fifo``: the same with plain overlap (``model_level``, ``tensor_level``
+    false): whole buckets all-reduced during the backward in readiness order;
 (e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults);
     in both, a tied output table is read as ``--embrace-output auto`` (the default)
     decides per step: vocab-parallel when it moves fewer bytes than gathering the table;
@@ -171,9 +173,14 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, ze
     return _on_deepspeed(name, model, criterion, engine, opt, sparse)
 
 
-def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_prefix: Optional[str],
+NO_OVERLAP = {"overlap": False, "model_level": False, "tensor_level": False}
+FIFO_OVERLAP = {"model_level": False, "tensor_level": False}
+
+
+def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_prefix: Optional[str],
              shard_layout: Optional[str] = None) -> Strategy:
-    """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on or off;
+    """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on
+    (``schedule`` True), off (False) or set by these ``"embrace"`` keys (a dict);
     ``shard_layout``: the ``"embrace"`` section's layout (None: the default)."""
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
@@ -181,7 +188,7 @@ def _embrace(name: str, w: W.Workload, task: Any, data, schedule: bool, trace_pr
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.embrace_arch, task, data)
     configure(model, criterion)  # what fairseq's Trainer does: a tied output read vocab-parallel when cheaper
-    section: Dict[str, Any] = {} if schedule else {"overlap": False, "model_level": False, "tensor_level": False}
+    section: Dict[str, Any] = dict(schedule) if isinstance(schedule, dict) else ({} if schedule else dict(NO_OVERLAP))
     if trace_prefix:
         section["trace"] = trace_prefix
     if shard_layout is not None:
@@ -228,6 +235,11 @@ def build_sparse_allgather(name: str, w: W.Workload, task: Any, data, counter: C
 def build_embrace_noschedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                              trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, False, trace_prefix)
+
+
+def build_embrace_fifo(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                       trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, FIFO_OVERLAP, trace_prefix)
 
 
 def build_embrace_schedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

@@ -24,9 +24,12 @@ from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDU
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model; judged on the
 # lower end of the ratio's interval where one was computed
 _STOCK = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather")
+# the 2D schedule against plain (FIFO) overlap with the backward, on the LM and translation
+SCHEDULE_OVER_FIFO = {"embrace_fifo": 1.15}
 GOALS = {
-    "lm": {"fairseq_legacy_ddp": 2.0, "fairseq_c10d": 2.0, "deepspeed": 2.0, "sparse_allgather": 1.2},
-    "translation": {s: 1.3 for s in _STOCK},
+    "lm": {"fairseq_legacy_ddp": 2.0, "fairseq_c10d": 2.0, "deepspeed": 2.0, "sparse_allgather": 1.2,
+           **SCHEDULE_OVER_FIFO},
+    "translation": {**{s: 1.3 for s in _STOCK}, **SCHEDULE_OVER_FIFO},
     "gpt_lm": {s: 1.5 for s in _STOCK},
 }
 BYTES_GOAL = 1.10

@@ -8,7 +8,9 @@ the traffic (:func:`traffic`); they differ in what overlaps what:
 * ``schedule``: one step on a priority link, steady state: the forward exchange first
   (the deferred rows of the previous step arrive with it), dense pieces issued during
   the backward input-near first, gradient rows the next batch reads urgent and the
-  others deferred into the next forward.
+  others deferred into the next forward;
+* ``fifo``: the schedule's ablation baseline: whole dense buckets all-reduced during the
+  backward in the order they become ready, every gradient row before the step.
 """
 from __future__ import annotations
 
@@ -113,8 +115,10 @@ def _forward(ctx: CostContext, t: EmbraceTraffic, link: _PriorityLink, share: fl
     return fwd_end
 
 
-def _backward(ctx: CostContext, t: EmbraceTraffic, link: _PriorityLink, bwd_start: float, share: float) -> float:
-    """Queue the backward's collectives; when the backward ends (stalls included)."""
+def _backward(ctx: CostContext, t: EmbraceTraffic, link: _PriorityLink, bwd_start: float, share: float,
+              fifo: bool = False) -> float:
+    """Queue the backward's collectives; when the backward ends (stalls included).
+    ``fifo``: whole buckets in readiness order instead of pieces input-near first."""
     prof, n, net, opts = ctx.profile, ctx.world_size, ctx.net, ctx.opts
     specs = dense_specs(prof, prof.tied_output == "gather")
     ready = ready_times(specs, ctx.backward_s)
@@ -130,20 +134,29 @@ def _backward(ctx: CostContext, t: EmbraceTraffic, link: _PriorityLink, bwd_star
     layers = specs[: len(prof.dense_layers)]
     for b in make_buckets(layers, readiness_order(layers), opts.embrace_bucket_bytes):
         ready_at = bwd_start + stall + max(ready[i] for i in b.tensors)
-        for p in cut_pieces(b, opts.embrace_piece_bytes):
-            link.jobs.append(Job(f"dense{b.index}.{p.index}", ready_at, net.allreduce(p.nbytes, n),
-                                 (4, b.priority, b.index, p.index)))
+        for p in cut_pieces(b, b.nbytes if fifo else opts.embrace_piece_bytes):
+            prio = (4, ready_at, b.index) if fifo else (4, b.priority, b.index, p.index)
+            link.jobs.append(Job(f"dense{b.index}.{p.index}", ready_at, net.allreduce(p.nbytes, n), prio))
     bwd_end = bwd_start + stall + ctx.backward_s + t.vocab_parallel_bwd_s
     link.add("urgent_rows", bwd_end, t.rows_busiest_bytes * share, lambda b: net.alltoall(b, n), (3,))
     return bwd_end
 
 
+def fifo(ctx: CostContext) -> Prediction:
+    return _overlapped(ctx, fifo=True)
+
+
 def schedule(ctx: CostContext) -> Prediction:
+    return _overlapped(ctx, fifo=False)
+
+
+def _overlapped(ctx: CostContext, fifo: bool) -> Prediction:
     t = traffic(ctx)
-    share = ctx.loads.next_step_share if ctx.opts.defer_rows else 1.0  # rows the next step reads: urgent
+    # rows the next step reads: urgent (all of them without the relaxed dependency)
+    share = ctx.loads.next_step_share if ctx.opts.defer_rows and not fifo else 1.0
     link = _PriorityLink()
     bwd_start = _forward(ctx, t, link, share)
-    bwd_end = _backward(ctx, t, link, bwd_start, share)
+    bwd_end = _backward(ctx, t, link, bwd_start, share, fifo)
     end = max([bwd_end] + [s[1] for s in link.run().values()])
     step = end + ctx.optimizer_s
     comm = sum(j.duration for j in link.jobs) + t.vocab_parallel_fwd_s + t.vocab_parallel_bwd_s
