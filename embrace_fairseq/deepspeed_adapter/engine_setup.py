@@ -9,7 +9,7 @@ import torch
 
 from embrace_fairseq.core.sharded_embedding import is_sharded_param
 from embrace_fairseq.deepspeed_adapter.config import EmbraceConfig
-from embrace_fairseq.schedule.plan import TensorSpec
+from embrace_fairseq.schedule.model_inputs import dense_parameters, tensor_specs  # noqa: F401  (re-exported)
 
 
 @contextlib.contextmanager
@@ -76,15 +76,3 @@ def strip_shards_from_optimizer(optimizer: torch.optim.Optimizer) -> Dict[int, i
     return where
 
 
-def dense_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """Replicated trainable parameters, in registration order (tied ones once)."""
-    return [p for p in module.parameters() if p.requires_grad and p.numel() > 0 and not is_sharded_param(p)]
-
-
-def tensor_specs(module: torch.nn.Module) -> List[TensorSpec]:
-    """Schedule inputs: registration order stands for the distance from the input."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [
-        TensorSpec(names.get(id(p), f"param{i}"), p.numel(), p.element_size(), i)
-        for i, p in enumerate(dense_parameters(module))
-    ]

@@ -3,8 +3,7 @@ extended by the shards, clipping over all ranks, and the exchange gate and trace
 set on the tables. Each function takes the hook (or the engine) it works for."""
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -12,6 +11,7 @@ from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_
 from embrace_fairseq.core.trace import TracingLedger
 from embrace_fairseq.deepspeed_adapter.config import EmbraceConfigError
 from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
+from embrace_fairseq.schedule.executor import gate_scope
 
 
 def check_engine(engine: Any) -> None:
@@ -113,17 +113,4 @@ def scope_grad_exchanges(hook: Any) -> None:
         ledger = emb.ledger if isinstance(emb.ledger, TracingLedger) else None
         if not emb.is_sharded or (gate is None and ledger is None):
             continue
-
-        @contextlib.contextmanager
-        def scope(ledger: Optional[TracingLedger] = ledger) -> Iterator[None]:
-            if gate is None or not hook._reducing_backward():
-                if ledger is not None:
-                    ledger.mark()
-                yield
-                return
-            with gate.exchange():
-                if ledger is not None:
-                    ledger.mark()
-                yield
-
-        emb.set_grad_exchange_scope(scope)
+        emb.set_grad_exchange_scope(gate_scope(gate, hook._reducing_backward, ledger.mark if ledger else None))

@@ -8,7 +8,7 @@ from embrace_fairseq.fairseq_adapter import compat
 
 compat.apply()
 
-from embrace_fairseq.fairseq_adapter import checkpoint_io, trainer_glue, vocab_parallel_criteria
+from embrace_fairseq.fairseq_adapter import checkpoint_io, scheduled_ddp, trainer_glue, vocab_parallel_criteria
 from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
     models,
 )
@@ -16,3 +16,4 @@ from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_
 trainer_glue.apply()
 vocab_parallel_criteria.apply()  # cross_entropy / label_smoothed_cross_entropy over the vocab-parallel output
 checkpoint_io.apply()  # atomic checkpoint writes, clear error on a corrupted one
+scheduled_ddp.apply()  # the 2D schedule reduces EmbRace models' dense gradients under fairseq-train

@@ -31,6 +31,7 @@ from embrace_fairseq.core.tied_projection import TiedShardedProjection
 from embrace_fairseq.core.vocab_parallel import AUTO, GATHER, OUTPUT_MODES
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, LAYOUTS, check_layout
+from embrace_fairseq.fairseq_adapter.scheduled_ddp import SCHEDULE_FLAG, SCHEDULE_HELP, SCHEDULE_MODES
 
 LAYOUT_FLAG = "--embrace-shard-layout"
 LAYOUT_HELP = ("which rank owns which embedding row: strided (id v on rank v mod N, balances the exchange of a "
@@ -108,13 +109,16 @@ def _layout_for(args: Any) -> str:
     return _building[-1] if _building else DEFAULT_LAYOUT
 
 
-def mark_for_fairseq(model: nn.Module) -> None:
-    """Keep shards out of fairseq's data-parallel reduction.
+def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
+    """Keep shards out of fairseq's data-parallel reduction, and note whether the 2D
+    schedule takes that reduction over (``--embrace-schedule``, read by
+    :mod:`.scheduled_ddp` when fairseq wraps the model).
 
     ``legacy_ddp`` skips parameters carrying ``expert`` (the BASE-layer convention);
     torch DDP (``c10d``) skips the names in ``_ddp_params_and_buffers_to_ignore``.
     The shards' gradients are complete after the AlltoAll of the backward pass.
     """
+    model.embrace_schedule = str(safe_getattr(args, "embrace_schedule", None) or "on")
     names = []
     for name, p in model.named_parameters(remove_duplicate=False):
         if is_sharded_param(p) and getattr(p, "_embrace_table")().is_sharded:
@@ -190,13 +194,14 @@ class EmbraceTransformerModel(TransformerModel):
         super().add_args(parser)
         parser.add_argument("--embrace-output", choices=OUTPUT_MODES, default=AUTO, help=OUTPUT_HELP)
         parser.add_argument(LAYOUT_FLAG, choices=list(LAYOUTS), default=DEFAULT_LAYOUT, help=LAYOUT_HELP)
+        parser.add_argument(SCHEDULE_FLAG, choices=list(SCHEDULE_MODES), default="on", help=SCHEDULE_HELP)
 
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
         with _building_with(shard_layout_of(args)):
             model = super().build_model(args, task)
-        mark_for_fairseq(model)
+        mark_for_fairseq(model, args)
         return model
 
     @classmethod
@@ -223,7 +228,8 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
     "EmbraceTransformerLanguageModelConfig",
     [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP})),
      ("embrace_shard_layout", ChoiceEnum(list(LAYOUTS)),
-      field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP}))],
+      field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP})),
+     ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP}))],
     bases=(TransformerLanguageModelConfig,),
 )
 EmbraceTransformerLanguageModelConfig.__module__ = __name__
@@ -245,7 +251,7 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
         decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,
                                             embrace_output=output_mode(args))
         model = cls(decoder)
-        mark_for_fairseq(model)
+        mark_for_fairseq(model, args)
         return model
 
     @classmethod

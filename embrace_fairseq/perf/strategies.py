@@ -179,6 +179,16 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_relaxed", label="(e'') EmbRace, 2D schedule + relaxed embedding", short="EmbRace relaxed",
+    aliases=("relaxed",),
+    description="(e) with the relaxed embedding dependency: the gradient rows the next batch does not read travel "
+                "asynchronously and are applied while the next forward runs (the simulator's (e) cost already "
+                "models this deferral)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_relaxed"), shards_table=True,
+)
+
+register_strategy(
     "embrace_contiguous", label="(e') EmbRace, 2D schedule, contiguous shards", short="EmbRace contiguous",
     aliases=("contiguous",),
     description="(e) with contiguous shards instead of strided ones: rank 0 owns the most frequent words of the "

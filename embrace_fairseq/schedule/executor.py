@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,28 @@ class ExchangeGate:
             with self._cond:
                 self._issuing -= 1
                 self._cond.notify_all()
+
+
+def gate_scope(gate: Optional[ExchangeGate], active: Callable[[], bool],
+               mark: Optional[Callable[[], None]] = None) -> Callable[[], ContextManager[None]]:
+    """The scope of one table's gradient exchange, for
+    ``ShardedEmbedding.set_grad_exchange_scope``: in a reducing backward (``active()``)
+    the gate is closed for the exchange (entered when it begins, left when it ended);
+    ``mark`` (a trace mark) runs when it starts, either way."""
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        if gate is None or not active():
+            if mark is not None:
+                mark()
+            yield
+            return
+        with gate.exchange():
+            if mark is not None:
+                mark()
+            yield
+
+    return scope
 
 
 class ScheduledAllReduce:

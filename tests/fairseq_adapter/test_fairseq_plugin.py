@@ -2,7 +2,9 @@
 real fairseq-generate / -interactive / -validate / -eval-lm.
 
 Equivalence: the EmbRace architecture and the stock one, same seed and data, dropout 0,
-give the same per-update loss and gradient norm (relative difference <= 1e-4).
+give the same per-update loss and gradient norm (relative difference <= 1e-4). The
+EmbRace runs reduce their dense gradients with the 2D schedule (``--embrace-schedule
+on``, the default), the stock ones with ``--ddp-backend``'s reduction.
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ CASES = [
     # the LM on 3 ranks (uneven shards) with tied embeddings and update-freq 2 runs in
     # test_lm_three_ranks_and_eval_lm
 ]
+SCHEDULED = "EmbRace 2D schedule:"  # what the scheduled wrapper logs when fairseq wraps the model
+
 SLOW_CASES = [
     ("translation", "transformer", 3, ["--share-all-embeddings", "--update-freq", "2"]),
     ("language_modeling", "transformer_lm", 2, ["--share-decoder-input-output-embed", "--clip-norm", "0.05", "--update-freq", "2"]),
@@ -84,11 +88,12 @@ SLOW_CASES = [
 ]
 
 
-def _run_case(case, mt_data, lm_data, tmp_path):
+def _run_case(case, mt_data, lm_data, tmp_path, ours_extra=(), scheduled=True):
     task, stock_arch, nproc, extra = case
     data = mt_data if task == "translation" else lm_data
     stock = _train(data, stock_arch, tmp_path / "stock", nproc, extra, task)
-    ours = _train(data, "embrace_" + stock_arch, tmp_path / "ours", nproc, extra, task)
+    ours = _train(data, "embrace_" + stock_arch, tmp_path / "ours", nproc, [*extra, *ours_extra], task)
+    assert (SCHEDULED in ours.output) is scheduled and SCHEDULED not in stock.output
     worst = _assert_same(stock, ours, f"{stock_arch} x{nproc} {' '.join(extra)}")
     print(f"{stock_arch} on {nproc} ranks {' '.join(extra)}: worst relative loss difference {worst:.2e}")
 
@@ -102,6 +107,12 @@ def test_same_training_as_stock(case, mt_data, lm_data, tmp_path):
 @pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: f"{c[1]}-{c[2]}ranks-{'_'.join(c[3])}")
 def test_same_training_as_stock_more(case, mt_data, lm_data, tmp_path):
     _run_case(case, mt_data, lm_data, tmp_path)
+
+
+@pytest.mark.slow  # ~40 s: the schedule turned off gives fairseq's own wrapper
+def test_schedule_off_keeps_fairseq_reduction(mt_data, lm_data, tmp_path):
+    _run_case(("translation", "transformer", 2, ["--share-all-embeddings"]), mt_data, lm_data, tmp_path,
+              ours_extra=["--embrace-schedule", "off"], scheduled=False)
 
 
 def _valid_loss(run):
@@ -192,6 +203,7 @@ def test_lm_three_ranks_and_eval_lm(lm_data, tmp_path):
     extra = ["--share-decoder-input-output-embed", "--clip-norm", "0.05", "--update-freq", "2"]
     stock = _train(lm_data, "transformer_lm", tmp_path / "stock", 3, extra, "language_modeling", max_update=20)
     ours = _train(lm_data, "embrace_transformer_lm", tmp_path / "ours", 3, extra, "language_modeling", max_update=20)
+    assert SCHEDULED in ours.output
     _assert_same(stock, ours, "transformer_lm x3 tied")
     assert abs(_valid_loss(stock) - _valid_loss(ours)) <= REL * _valid_loss(stock)
     a = _eval_lm(lm_data, tmp_path / "stock" / "checkpoint_last.pt")

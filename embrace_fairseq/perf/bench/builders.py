@@ -16,6 +16,9 @@
 (d') ``embrace_fifo``: the same with plain overlap (``model_level``, ``tensor_level``
     false): whole buckets all-reduced during the backward in readiness order;
 (e) ``embrace_schedule``: the same with the 2D schedule on (the hook's defaults);
+(e'') ``embrace_relaxed``: (e) with the relaxed embedding dependency (the next batch's
+    ids given before each backward; the other rows' gradients finish during the next
+    forward);
     in both, a tied output table is read as ``--embrace-output auto`` (the default)
     decides per step: vocab-parallel when it moves fewer bytes than gathering the table;
 (e') ``embrace_contiguous``: (e) with contiguous shards (rank 0 owns the most frequent
@@ -59,7 +62,7 @@ class _CallThrough:
 class Strategy:
     name: str
     module: torch.nn.Module  # the fairseq model itself
-    step_fn: Callable[[Dict[str, Any]], float]
+    step_fn: Callable[..., float]  # (batch, next batch or None) -> loss
     engine: Any = None
     steps_done: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -68,8 +71,8 @@ class Strategy:
     def hook(self) -> Any:
         return getattr(self.engine, "embrace", None)
 
-    def step(self, batch: Dict[str, Any]) -> float:
-        loss = self.step_fn(batch)
+    def step(self, batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
+        loss = self.step_fn(batch, next_batch)
         self.steps_done += 1
         return loss
 
@@ -127,7 +130,7 @@ def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Str
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     call = _CallThrough(wrapped, model)
 
-    def step(batch: Dict[str, Any]) -> float:
+    def step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
         opt.zero_grad(set_to_none=True)
         loss = _loss(criterion, call, batch)
         loss.backward()
@@ -144,8 +147,12 @@ def _on_deepspeed(name: str, model: torch.nn.Module, criterion: Any, engine: Any
     """One step through a DeepSpeed engine (stock or with the EmbRace hook)."""
     call = _CallThrough(engine, model)
 
-    def ds_step(batch: Dict[str, Any]) -> float:
+    hook = getattr(engine, "embrace", None)
+
+    def ds_step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
         loss = _loss(criterion, call, batch)
+        if hook is not None and hook.relaxed is not None:
+            hook.next_batch(next_batch)  # the rows the next batch reads go first
         engine.backward(loss)  # stock: reduces here (the sparse gradient by all-gather)
         if sparse:
             for p in model.parameters():
@@ -240,6 +247,11 @@ def build_embrace_noschedule(name: str, w: W.Workload, task: Any, data, counter:
 def build_embrace_fifo(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                        trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, FIFO_OVERLAP, trace_prefix)
+
+
+def build_embrace_relaxed(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                          trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"relaxed_embedding": True}, trace_prefix)
 
 
 def build_embrace_schedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

@@ -92,22 +92,24 @@ def counting(counter: CollectiveCounter) -> Iterator[CollectiveCounter]:
     def all_gather(tensor_list, tensor, *a, group=None, **k):
         return ring_allgather_block_bytes(_nbytes(tensor), _world(group))
 
-    def all_gather_into_tensor(out, tensor, *a, group=None, **k):
-        return ring_allgather_block_bytes(_nbytes(tensor), _world(group))
+    # torch's parameter names: DeepSpeed passes these by keyword
+    def all_gather_into_tensor(output_tensor, input_tensor, *a, group=None, **k):
+        return ring_allgather_block_bytes(_nbytes(input_tensor), _world(group))
 
-    def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **k):
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
         n, r = _world(group), _rank(group)
         if input_split_sizes:
-            row = _nbytes(inp) / max(1, inp.shape[0]) if inp.dim() else 0
+            row = _nbytes(input) / max(1, input.shape[0]) if input.dim() else 0
             return sum(s for i, s in enumerate(input_split_sizes) if i != r) * row
-        return _nbytes(inp) * (n - 1) / n
+        return _nbytes(input) * (n - 1) / n
 
-    def all_to_all(out_list, in_list, group=None, **k):
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, **k):
+        in_list = input_tensor_list
         r = _rank(group)
         return sum(_nbytes(t) for i, t in enumerate(in_list) if i != r)
 
-    def reduce_scatter_tensor(out, inp, *a, group=None, **k):
-        return ring_reduce_scatter_bytes(_nbytes(inp), _world(group))
+    def reduce_scatter_tensor(output, input, *a, group=None, **k):
+        return ring_reduce_scatter_bytes(_nbytes(input), _world(group))
 
     def broadcast(tensor, src=0, group=None, **k):
         return _nbytes(tensor) if _rank(group) == src else 0

@@ -33,8 +33,11 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
                     f"; the {meta['link']['latency_ms']:g} ms latency was NOT applied (this kernel has no sch_netem)")
                  + ".")
     cpus = meta["machine"]["cpus"]
+    during = meta["machine"].get("load_during_run")
     L.append(f"Machine: {cpus} CPU cores, 1 torch thread per rank, load at start "
-             f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_at_start'])}. "
+             f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_at_start'])}"
+             + (f", during the run {during['min']:.2f}-{during['max']:.2f} (1-minute load after each of "
+                f"{during['samples']} rounds)" if during else "") + ". "
              + ("4 ranks oversubscribe the cores: compute is slower than on 4 real nodes." if cpus and cpus < 4 else ""))
     s = meta["schedule"]
     L.append(f"Steps: {s['warmup']} warm-up, then {s['rounds']} rounds x {s['steps_per_round']} timed steps per strategy, "

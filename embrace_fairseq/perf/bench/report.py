@@ -182,6 +182,11 @@ def layout_check(runs: List[Dict[str, Any]],
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
     meta = dict(meta, bounds="perf.bounds.min_bytes_per_step")
+    # the machine's 1-minute load, sampled after every round of every launch
+    load = [x for launch in raw for link in launch["ranks"][0]["links"] for x in link.get("load_1min", [])]
+    if load:
+        meta["machine"] = dict(meta["machine"], load_during_run={"min": min(load), "max": max(load),
+                                                                 "samples": len(load)})
     profiles: Dict[str, Any] = {}
     runs: List[Dict[str, Any]] = []
     consistency: Dict[str, Any] = {}

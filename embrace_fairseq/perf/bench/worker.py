@@ -103,13 +103,14 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
     tx0 = _tx_bytes(tx_path)
     for _ in range(spec["steps_per_round"]):
         batch = batches.get(s.steps_done, rank)
+        upcoming = batches.get(s.steps_done + 1, rank)  # what the relaxed dependency looks ahead to
         rec["batch_steps"].append(s.steps_done)
         rec["tokens"] += int(batch["ntokens"])
         counter.enabled = False
         dist.barrier()
         counter.enabled = True
         t0 = time.perf_counter()
-        loss = s.step(batch)
+        loss = s.step(batch, upcoming)
         rec["step_s"].append(time.perf_counter() - t0)
         rec["loss"].append(loss)
         rec["steps"] += 1
@@ -154,14 +155,15 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
 
 
 def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, counter: Any,
-                  tx_path: str, link: Any, world: int) -> Dict[str, Dict[str, Any]]:
-    """Warm-up, then the rounds (order rotated each round); a record per strategy."""
+                  tx_path: str, link: Any, world: int, load: List[float]) -> Dict[str, Dict[str, Any]]:
+    """Warm-up, then the rounds (order rotated each round); a record per strategy. The
+    machine's 1-minute load average is appended to ``load`` after every round."""
     from embrace_fairseq.core.ledger import global_ledger
 
     for name in spec["strategies"]:
         s = built[name]
         for _ in range(spec["warmup"]):
-            s.step(batches.get(s.steps_done, rank))
+            s.step(batches.get(s.steps_done, rank), batches.get(s.steps_done + 1, rank))
     per = {n: {"step_s": [], "loss": [], "bytes": {}, "received": {}, "counted": {}, "wire": 0.0, "steps": 0, "batch_steps": [],
                "tokens": 0} for n in spec["strategies"]}
     for s in built.values():
@@ -172,6 +174,7 @@ def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, ran
         _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']} (peak RSS {_peak_rss_mb():.0f} MB)")
         for name in names[r % len(names):] + names[:r % len(names)]:
             _timed_steps(spec, built[name], per[name], batches, rank, counter, global_ledger(), tx_path)
+        load.append(os.getloadavg()[0])
     return {name: _entry(spec, name, per[name], built, link, world) for name in names}
 
 
@@ -203,8 +206,9 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
             link = LinkSpec(**link_d)
             _set_link(spec, li, link, rank, world)
             _log(rank, f"link {link.label()}: warm-up")
-            strategies = _measure_link(spec, built, batches, rank, counter, tx_path, link, world)
-            results["links"].append({"link": link_d, "strategies": strategies})
+            load: List[float] = []
+            strategies = _measure_link(spec, built, batches, rank, counter, tx_path, link, world, load)
+            results["links"].append({"link": link_d, "strategies": strategies, "load_1min": load})
     # compute profile: one process at a time, no communication (rank 0; the others wait)
     dist.barrier()
     if rank == 0:
