@@ -198,4 +198,11 @@ register_strategy(
     build=LazyRef(_BUILDERS, "build_embrace_contiguous"), shards_table=True,
 )
 
+register_strategy(
+    "compute_floor", label="(0) compute only, no communication", short="floor", aliases=("floor", "0"),
+    description="the physical floor: the stock model stepping the same batches on the same ranks with every "
+                "collective skipped (each rank trains its own copy, so its losses drift from the others')",
+    volume=V.nothing, cost=LazyRef(_COSTS, "floor"), build=LazyRef(_BUILDERS, "build_compute_floor"),
+)
+
 STRATEGIES: Tuple[str, ...] = strategy_names()

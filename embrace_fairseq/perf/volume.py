@@ -57,6 +57,11 @@ def dense_allreduce(step: StepTraffic) -> Dict[str, float]:
             K.DENSE_GRAD: ring_allreduce_bytes(step.dense_bytes, n)}
 
 
+def nothing(step: StepTraffic) -> Dict[str, float]:
+    """The compute-only floor: the same steps with no communication at all."""
+    return {}
+
+
 def zero_partitioned(step: StepTraffic) -> Dict[str, float]:
     """DeepSpeed ZeRO stage 1 or 2: each rank needs the sum of its partition of every
     gradient (``table_grad``, ``dense_grad``: ring reduce-scatter, (N-1)/N of the

@@ -99,7 +99,8 @@ def test_quick_mode_end_to_end(tmp_path):
     for r in runs:
         assert len(r["step_s"]) == 8 and r["median_step_s"] > 0 and r["tokens_per_s"] > 0
         total = sum(r["bytes_per_rank_per_step"].values())
-        assert total > 0
+        floor = r["strategy"] == "compute_floor"  # no collective: no bytes, its own model per rank
+        assert (total == 0) if floor else (total > 0)
         if not meta["fallback_loopback"]:
             # the NIC sent what the collectives carried, plus headers and barriers
             assert total <= r["wire_bytes_per_rank_per_step"] <= 1.15 * total + 200e3, r
@@ -113,7 +114,8 @@ def test_quick_mode_end_to_end(tmp_path):
                                                           SPEEDUP_SUBJECT and x["model"] == r["model"] and
                                                           x["world_size"] == r["world_size"]), rel_tol=1e-9)
         # same synchronous SGD on the same batches: the losses agree
-        assert res["loss_max_rel_diff_vs_legacy_ddp"][key][r["strategy"]] < 1e-3
+        if not floor:
+            assert res["loss_max_rel_diff_vs_legacy_ddp"][key][r["strategy"]] < 1e-3
     lm4 = {r["strategy"]: r for r in runs if r["model"] == "lm" and r["world_size"] == 4}
     assert lm4["embrace_schedule"]["bytes_total_per_rank_per_step"] < 0.5 * lm4["deepspeed"]["bytes_total_per_rank_per_step"]
     assert "sparse_allgather" in lm4["sparse_allgather"]["bytes_per_rank_per_step"]

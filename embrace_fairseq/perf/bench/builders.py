@@ -1,5 +1,7 @@
 """The benchmark builders: the ways to train the same model data-parallel, each as a ``step(batch)``.
 
+(0) ``compute_floor``: the stock model and optimizer stepping the same batches with no
+    collective at all (the physical floor every strategy is measured against);
 (a) ``fairseq_legacy_ddp`` / ``fairseq_c10d``: the stock fairseq model under fairseq's
     ``DistributedFairseqModel`` (``LegacyDistributedDataParallel``; torch DDP for c10d);
 (b) ``deepspeed``: the stock model under the stock DeepSpeed engine (ZeRO stage 0);
@@ -136,6 +138,22 @@ def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Str
         loss.backward()
         if backend == "legacy_ddp":
             wrapped.all_reduce_grads()  # what fairseq's optimizer wrapper calls before the step
+        opt.step()
+        return float(loss.detach())
+
+    return Strategy(name, model, step, extra={"optimizer": opt, "criterion": criterion})
+
+
+def build_compute_floor(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                        trace_prefix: Optional[str] = None) -> Strategy:
+    criterion = W.build_criterion(w, task)
+    model = W.build_model(w, w.stock_arch, task, data)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(criterion, model, batch)
+        loss.backward()
         opt.step()
         return float(loss.detach())
 

@@ -29,6 +29,11 @@ def deepspeed(ctx: CostContext) -> Prediction:
     return _flat_allreduce(ctx, ctx.opts.deepspeed_bucket_numel)
 
 
+def floor(ctx: CostContext) -> Prediction:
+    """The compute-only floor: forward, backward and the optimizer, nothing on the link."""
+    return ctx.not_overlapped(0.0, {})
+
+
 def _zero(ctx: CostContext, during_backward: bool) -> Prediction:
     """DeepSpeed ZeRO as the baselines run it: gradient buckets all-reduced (DeepSpeed's
     default reduction), after the backward (stage 1) or in readiness order during it
