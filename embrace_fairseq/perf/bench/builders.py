@@ -146,6 +146,8 @@ def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Str
 
 def build_compute_floor(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                         trace_prefix: Optional[str] = None) -> Strategy:
+    """The floor: each rank steps its own copy of the stock model on its batches, no
+    collective at all (what any strategy's step would be with free communication)."""
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.stock_arch, task, data)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
