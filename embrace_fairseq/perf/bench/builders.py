@@ -73,6 +73,11 @@ class Strategy:
     def hook(self) -> Any:
         return getattr(self.engine, "embrace", None)
 
+    @property
+    def looks_ahead(self) -> bool:
+        """Does a step need the next batch (the relaxed embedding dependency)?"""
+        return self.hook is not None and self.hook.relaxed is not None
+
     def step(self, batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
         loss = self.step_fn(batch, next_batch)
         self.steps_done += 1

@@ -103,7 +103,8 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
     tx0 = _tx_bytes(tx_path)
     for _ in range(spec["steps_per_round"]):
         batch = batches.get(s.steps_done, rank)
-        upcoming = batches.get(s.steps_done + 1, rank)  # what the relaxed dependency looks ahead to
+        # only the relaxed dependency looks ahead: no other strategy collates a batch it ignores
+        upcoming = batches.get(s.steps_done + 1, rank) if s.looks_ahead else None
         rec["batch_steps"].append(s.steps_done)
         rec["tokens"] += int(batch["ntokens"])
         counter.enabled = False
@@ -163,7 +164,7 @@ def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, ran
     for name in spec["strategies"]:
         s = built[name]
         for _ in range(spec["warmup"]):
-            s.step(batches.get(s.steps_done, rank), batches.get(s.steps_done + 1, rank))
+            s.step(batches.get(s.steps_done, rank), batches.get(s.steps_done + 1, rank) if s.looks_ahead else None)
     per = {n: {"step_s": [], "loss": [], "bytes": {}, "received": {}, "counted": {}, "wire": 0.0, "steps": 0, "batch_steps": [],
                "tokens": 0} for n in spec["strategies"]}
     for s in built.values():
