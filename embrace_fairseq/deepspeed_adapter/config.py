@@ -32,10 +32,11 @@ class EmbraceConfig:
     max_in_flight: collectives outstanding at once (credit).
     bucket_bytes: size of the flat buffers gradients are grouped into.
     compute_bytes_per_s, link_bytes_per_s: the relative speeds of backward (gradient bytes
-        produced per second) and of the all-reduce link that the schedule's issue order is
-        simulated with (:class:`~embrace_fairseq.schedule.plan.ScheduleOptions`); they shape
-        the order only, never gate anything at run time. Every rank reads the same JSON,
-        so every rank builds the same order.
+        produced per second) and of the all-reduce link that the schedule's static issue
+        list is simulated with (:class:`~embrace_fairseq.schedule.plan.ScheduleOptions`);
+        they shape that order only, never gate anything at run time. ``null`` (default):
+        measured on the ranks (the link at start-up, backward over the first step;
+        :mod:`embrace_fairseq.schedule.rates`), the same figures on every rank.
     trace: ``None`` or a path prefix: write ``<prefix>.rank<N>.json`` Chrome traces.
     relaxed_embedding: update the embedding rows the next batch reads at the step and
         finish the others (gradient exchange and update) while the next forward runs.
@@ -58,8 +59,8 @@ class EmbraceConfig:
     piece_bytes: int = 1 << 20
     max_in_flight: int = 2
     bucket_bytes: int = 4 << 20
-    compute_bytes_per_s: float = 4e9
-    link_bytes_per_s: float = 1e9
+    compute_bytes_per_s: Optional[float] = None
+    link_bytes_per_s: Optional[float] = None
     trace: Optional[str] = None
     relaxed_embedding: bool = False
     output: str = "auto"
@@ -87,7 +88,7 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"{where} must be true or false, got {value!r}")
         if key in _POSITIVE_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise EmbraceConfigError(f"{where} must be a positive integer, got {value!r}")
-        if key in _POSITIVE_NUMBERS:
+        if key in _POSITIVE_NUMBERS and value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
                 raise EmbraceConfigError(f"{where} must be a positive number (bytes per second), got {value!r}")
             value = float(value)

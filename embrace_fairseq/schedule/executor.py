@@ -1,10 +1,18 @@
-"""Executes a static :class:`~embrace_fairseq.schedule.plan.Schedule` during backward.
+"""Executes the dense gradients' 2D :class:`~embrace_fairseq.schedule.plan.Schedule` during backward.
 
 Each dense parameter gets a post-accumulate-grad hook that marks its gradient ready.
-A communication thread walks the issue list in order: it waits until the item's
-bucket is complete, waits for a credit, and issues the piece as an asynchronous
-all-reduce. Because the order is the list's, every rank pairs the same collectives
-whatever its timing; a slow rank only makes the others wait.
+A communication thread runs a *live* priority queue: before each issue the ranks agree,
+with a small all-reduce (MIN) of per-bucket readiness flags on a group of its own,
+which buckets are ready everywhere; their pieces enter the queue and the most urgent
+waiting piece (:func:`~embrace_fairseq.schedule.plan.piece_key`) goes out as an
+asynchronous all-reduce once a credit is free. A ready piece therefore never waits for
+an earlier one that is not ready, and every rank still pairs the same collectives
+whatever its timing: what is issued depends only on what all ranks agreed. A rank with
+nothing queued and nothing new waits for its next ready bucket before agreeing again,
+so there is at most one agreement round per piece and one per bucket. (Agreement is
+needed because which parameters get a gradient, and so the order buckets complete in,
+can differ between ranks: fairseq's adaptive softmax computes a tail cluster only when
+a target falls in it.)
 
 The all-reduces run on a process group of their own: the embedding AlltoAlls of the
 autograd thread use the default group, and two threads sharing one group would
@@ -12,8 +20,10 @@ interleave their collectives in timing-dependent order.
 
 Where the order *across* groups matters too -- NCCL, whose kernels of different
 communicators can wait on each other on the device -- there is no thread: the pieces are
-issued from the autograd thread itself, inside the gradient hooks, as soon as the
-list's next piece is ready (and the exchange gate open). The hooks fire in the graph's
+issued from the autograd thread itself, inside the gradient hooks, following the
+schedule's static list (an agreement round there would stall the autograd thread on a
+host-side collective), as soon as the list's next piece is ready (and the exchange gate
+open). The hooks fire in the graph's
 order, the same on every rank, so every rank issues every collective (dense pieces and
 embedding exchanges alike) in one order. Credits wait for the oldest piece in flight to
 *finish* (a CUDA event there; ``work.wait()`` on NCCL does not block the host), and
@@ -27,7 +37,10 @@ is the one to reduce (``active``) and calls :meth:`finish` before the optimizer 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import logging
 import threading
+import time
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
 
 import torch
@@ -37,8 +50,11 @@ from embrace_fairseq.core.ring_volume import ring_allreduce_bytes_int
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
-from embrace_fairseq.schedule.plan import Schedule
+from embrace_fairseq.schedule import rates
+from embrace_fairseq.schedule.plan import Piece, Schedule, piece_key
 from embrace_fairseq.core.trace import Tracer
+
+logger = logging.getLogger(__name__)
 
 
 class ExchangeGate:
@@ -164,8 +180,12 @@ class ScheduledAllReduce:
             (gradient accumulation reduces only at the boundary).
         ledger, tracer: byte accounting and timeline (optional).
         gate: an :class:`ExchangeGate`: no piece is issued while an embedding exchange is in flight.
-        single_thread: issue from the autograd thread (no communication thread). ``None``
-            (default): where the group's backend needs one issue order across groups (NCCL).
+        single_thread: issue from the autograd thread (no communication thread), in the
+            static list's order. ``None`` (default): where the group's backend needs one
+            issue order across groups (NCCL).
+        agree_group: the group of the thread's readiness agreement (same ranks as
+            ``group``). ``None``: one is created now (collective: every rank builds its
+            reducer in the same order); not used in single-thread mode.
     """
 
     def __init__(
@@ -180,6 +200,7 @@ class ScheduledAllReduce:
         tracer: Optional[Tracer] = None,
         gate: Optional[ExchangeGate] = None,
         single_thread: Optional[bool] = None,
+        agree_group: Optional["dist.ProcessGroup"] = None,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
@@ -203,12 +224,31 @@ class ScheduledAllReduce:
                 self._bucket_of[t] = b.index
         self._flat: List[Optional[torch.Tensor]] = [None] * len(schedule.buckets)
         self._lock = threading.Lock()  # guards readiness only; never held across a collective
+        self._changed = threading.Condition(self._lock)  # a bucket became ready
+        self.agree_group = agree_group
+        if agree_group is None and not self.single_thread and self.world_size > 1:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self.agree_group = collectives.new_group(ranks)
+        #: agreement rounds of the last reduced step (live queue), for logs and tests
+        self.agreement_rounds = 0
+        # rates not set in the options are measured: the link now, backward at the
+        # first reduced step, after which the static list is re-simulated
+        opts = schedule.options
+        self._measure_backward = opts.compute_bytes_per_s is None
+        self._link_rate = opts.link_bytes_per_s
+        if self._link_rate is None:
+            self._link_rate = rates.measure_link_bytes_per_s(opts.piece_bytes, group)
+        if not self._measure_backward and opts.link_bytes_per_s is None:
+            schedule.resimulate(opts.compute_bytes_per_s, self._link_rate)
+        #: (backward, link) bytes per second the static list was last simulated with
+        self.rates = (schedule.options.compute_rate, self._link_rate)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
 
     # ------------------------------------------------------------------ per step state
     def _reset(self) -> None:
         self._started = False
+        self._backward_span: List[float] = []  # perf_counter at the first hook, at the end
         self._ready = [False] * len(self.params)
         self._missing = [len(b.tensors) for b in self.schedule.buckets]
         self._events = [threading.Event() for _ in self.schedule.buckets]
@@ -241,6 +281,7 @@ class ScheduledAllReduce:
 
     def _begin(self) -> None:
         self._started = True
+        self._backward_span = [time.perf_counter()]
         if self.overlap and not self.single_thread:
             self._start_thread()
 
@@ -258,11 +299,13 @@ class ScheduledAllReduce:
             self._missing[b] -= 1
             if self._missing[b] == 0:
                 self._events[b].set()
+                self._changed.notify_all()
 
     def _end_of_backward(self) -> None:
         # every gradient of this backward is computed: pieces issued before this point
         # overlapped the backward
         self.tracer.instant("gradients_ready")
+        self._backward_span.append(time.perf_counter())
         self._mark_all()
         if not self.overlap:
             return
@@ -324,16 +367,56 @@ class ScheduledAllReduce:
             self._issue(piece)
 
     def _run(self) -> None:
+        """The communication thread: the live priority queue (see the module doc)."""
         try:
-            for piece in self.schedule.issue_order:
-                self._events[piece.bucket].wait()
-                self._make_room(piece)  # credit waits happen outside the issue slot
+            buckets = self.schedule.buckets
+            agreed = [False] * len(buckets)
+            unagreed = len(buckets)
+            queue: List[tuple] = []  # (piece_key, piece) of buckets ready on every rank
+            left = len(self.schedule.issue_order)
+            rounds = 0
+            while left:
+                self._wait_credit()
+                if unagreed:
+                    # same decision on every rank: the queue holds only agreed pieces
+                    if not queue:
+                        self._wait_for_news(agreed)
+                    for b in self._agree():
+                        if not agreed[b]:
+                            agreed[b] = True
+                            unagreed -= 1
+                            for piece in self.schedule.pieces_of(b):
+                                heapq.heappush(queue, (piece_key(buckets, piece, self.schedule.options), piece))
+                    rounds += 1
+                    if not queue:
+                        continue
+                _, piece = heapq.heappop(queue)
+                self._make_room(piece)
                 with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
                     self._launch(piece)  # the gate's lock is not held here
+                left -= 1
+            self.agreement_rounds = rounds
             while self._inflight:
                 self._complete(self._inflight.pop(0))
         except BaseException as exc:  # surfaced by finish() on the training thread
             self._error = exc
+
+    def _wait_credit(self) -> None:
+        while len(self._inflight) >= self.schedule.options.max_in_flight:
+            self._complete(self._inflight.pop(0))
+
+    def _wait_for_news(self, agreed: List[bool]) -> None:
+        """Block until a bucket is ready here that the ranks have not agreed on yet."""
+        with self._changed:
+            while not any(e.is_set() and not a for e, a in zip(self._events, agreed)):
+                self._changed.wait()
+
+    def _agree(self) -> List[int]:
+        """The buckets ready on every rank (collective on the agreement group)."""
+        flags = torch.tensor([1 if e.is_set() else 0 for e in self._events], dtype=torch.int32)
+        if self.agree_group is not None:
+            collectives.all_reduce(flags, op="min", group=self.agree_group)
+        return [b for b, f in enumerate(flags.tolist()) if f]
 
     def _complete(self, item: tuple) -> None:
         pending, piece = item
@@ -371,8 +454,24 @@ class ScheduledAllReduce:
             if error is not None:
                 raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
             self._average()
+            if self._measure_backward:
+                self._measure_backward = False
+                self._resimulate()
         finally:
             self._reset()
+
+    def _resimulate(self) -> None:
+        """The first reduced step's backward rate (slowest rank; collective on every rank,
+        after every piece completed) and the start-up link rate into the static list."""
+        span = self._backward_span
+        seconds = span[1] - span[0] if len(span) == 2 else None
+        grad_bytes = sum(t.nbytes for t in self.schedule.tensors)
+        compute = rates.backward_bytes_per_s(grad_bytes, seconds, self.group)
+        self.schedule.resimulate(compute, self._link_rate)
+        self.rates = (compute, self._link_rate)
+        logger.info("EmbRace 2D schedule: measured backward %.3g B/s, all-reduce %.3g B/s; static issue list "
+                    "re-simulated (%s)", compute, self._link_rate,
+                    "followed" if self.single_thread else "the live queue orders the pieces")
 
     def _average(self) -> None:
         for bucket in self.schedule.buckets:

@@ -13,18 +13,24 @@ Two dimensions, each can be switched off:
   whole buckets.
 
 The issue order must be the same on every rank whatever its timing, or ranks pair up
-different collectives (deadlock or silent corruption). So the priority scheduler is
-never run on live timings: it is *simulated* once, on static cost estimates derived
-from the parameter sizes and the readiness order, and the result is a fixed issue list.
-At run time the list is executed in order, each item waiting for its gradients.
+different collectives (deadlock or silent corruption). Two ways keep it so:
+
+* the live queue (the executor's communication thread): a priority queue over the
+  pieces whose buckets are ready *on every rank*, agreed by a small all-reduce of
+  readiness flags before each issue; ranked by :func:`piece_key`;
+* the static list (issuing from the autograd thread, as NCCL needs): the same priority
+  scheduler *simulated* once, on cost estimates from the parameter sizes, the readiness
+  order and the rates in :class:`ScheduleOptions`; at run time the list is followed in
+  order, each item waiting for its gradients.
+
 Nothing here depends on torch or on any training framework.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -76,13 +82,20 @@ class ScheduleOptions:
     compute and the link); they never gate anything at run time.
     """
 
+    #: used for a rate that is neither set nor measured yet
+    ASSUMED_COMPUTE_BYTES_PER_S: ClassVar[float] = 4e9
+    ASSUMED_LINK_BYTES_PER_S: ClassVar[float] = 1e9
+
     model_level: bool = True
     tensor_level: bool = True
     piece_bytes: int = 1 << 20
     max_in_flight: int = 2
     bucket_bytes: int = 4 << 20
-    compute_bytes_per_s: float = 4e9  # backward throughput, in gradient bytes per second
-    link_bytes_per_s: float = 1e9  # all-reduce throughput
+    #: backward throughput in gradient bytes per second; None: measured (the executor
+    #: re-simulates the list after the first reduced step), 4e9 until then
+    compute_bytes_per_s: Optional[float] = None
+    #: all-reduce throughput in payload bytes per second; None: measured at start-up
+    link_bytes_per_s: Optional[float] = None
     latency_s: float = 50e-6  # per collective
 
     def __post_init__(self) -> None:
@@ -92,6 +105,18 @@ class ScheduleOptions:
             raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {self.bucket_bytes}")
+        for name in ("compute_bytes_per_s", "link_bytes_per_s"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < math.inf:
+                raise ValueError(f"{name} must be None (measured) or a positive number, got {v}")
+
+    @property
+    def compute_rate(self) -> float:
+        return self.compute_bytes_per_s or self.ASSUMED_COMPUTE_BYTES_PER_S
+
+    @property
+    def link_rate(self) -> float:
+        return self.link_bytes_per_s or self.ASSUMED_LINK_BYTES_PER_S
 
 
 @dataclass
@@ -106,6 +131,13 @@ class Schedule:
 
     def pieces_of(self, bucket: int) -> List[Piece]:
         return [p for p in self.issue_order if p.bucket == bucket]
+
+    def resimulate(self, compute_bytes_per_s: float, link_bytes_per_s: float) -> None:
+        """Re-simulate the issue list, in place, with these rates (buckets and pieces are
+        unchanged: they depend on sizes only). Same rates -> same list on every rank."""
+        self.options = replace(self.options, compute_bytes_per_s=compute_bytes_per_s,
+                               link_bytes_per_s=link_bytes_per_s)
+        self.issue_order, self.simulated = _simulated_order(self.tensors, self.buckets, self.options)
 
     def describe(self) -> List[str]:
         """One line per issued piece, for logs and tests."""
@@ -170,6 +202,24 @@ def cut_pieces(bucket: Bucket, piece_bytes: Optional[int]) -> List[Piece]:
     return out
 
 
+def piece_key(buckets: Sequence[Bucket], piece: Piece, options: ScheduleOptions) -> tuple:
+    """Which waiting piece goes first (smallest key): with the model level, the bucket
+    holding the most input-near layer (the next forward needs it first), else readiness
+    order (buckets are numbered in it); then the piece's place in its bucket. Used by the
+    simulation here and by the executor's live queue, so both rank pieces alike.
+
+    >>> b = [Bucket(0, (1,), 4, 16, priority=1), Bucket(1, (0,), 4, 16, priority=0)]
+    >>> late_but_urgent, early = Piece(1, 0, 0, 4, 16), Piece(0, 0, 0, 4, 16)
+    >>> piece_key(b, late_but_urgent, ScheduleOptions()) < piece_key(b, early, ScheduleOptions())
+    True
+    >>> piece_key(b, late_but_urgent, ScheduleOptions(model_level=False)) < piece_key(b, early, ScheduleOptions(model_level=False))
+    False
+    """
+    if options.model_level:
+        return (buckets[piece.bucket].priority, piece.bucket, piece.index)
+    return (piece.bucket, piece.index)
+
+
 def simulate(
     buckets: Sequence[Bucket],
     ready_time: Sequence[float],
@@ -195,8 +245,7 @@ def simulate(
     total = sum(len(p) for p in pieces)
 
     def key(p: Piece) -> tuple:
-        b = buckets[p.bucket]
-        return (b.priority, p.bucket, p.index) if options.model_level else (p.bucket, p.index)
+        return piece_key(buckets, p, options)
 
     while len(order) < total:
         # admit everything ready by now
@@ -210,7 +259,7 @@ def simulate(
         if waiting and len(in_flight) < options.max_in_flight:
             _, p = heapq.heappop(waiting)
             start = max(now, link_free)
-            end = start + options.latency_s + p.nbytes / options.link_bytes_per_s
+            end = start + options.latency_s + p.nbytes / options.link_rate
             link_free = end
             heapq.heappush(in_flight, end)
             order.append(p)
@@ -231,15 +280,19 @@ def simulate(
 def build_schedule(tensors: Sequence[TensorSpec], options: ScheduleOptions = ScheduleOptions()) -> Schedule:
     """The static issue list for these dense gradients (same input -> same list on every rank)."""
     tensors = list(tensors)
-    ready = readiness_order(tensors)
-    buckets = make_buckets(tensors, ready, options.bucket_bytes)
+    buckets = make_buckets(tensors, readiness_order(tensors), options.bucket_bytes)
+    order, spans = _simulated_order(tensors, buckets, options)
+    return Schedule(tensors=tensors, buckets=buckets, issue_order=order, options=options, simulated=spans)
+
+
+def _simulated_order(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket],
+                     options: ScheduleOptions) -> Tuple[List[Piece], List[Tuple[float, float]]]:
     # estimated time each tensor's gradient is ready: backward cost ~ its size
     t, tensor_ready = 0.0, {}
-    for i in ready:
-        t += tensors[i].nbytes / options.compute_bytes_per_s
+    for i in readiness_order(tensors):
+        t += tensors[i].nbytes / options.compute_rate
         tensor_ready[i] = t
     ready_time = [max(tensor_ready[i] for i in b.tensors) for b in buckets]
     piece_bytes = options.piece_bytes if options.tensor_level else None
     pieces = [cut_pieces(b, piece_bytes) for b in buckets]
-    order, spans = simulate(buckets, ready_time, pieces, options)
-    return Schedule(tensors=tensors, buckets=buckets, issue_order=order, options=options, simulated=spans)
+    return simulate(buckets, ready_time, pieces, options)

@@ -137,7 +137,8 @@ def test_schedule_rates_come_from_the_config():
     from embrace_fairseq.schedule.plan import ScheduleOptions
 
     default = schedule_options(parse_embrace_config(None))
-    assert (default.compute_bytes_per_s, default.link_bytes_per_s) == (4e9, 1e9)
+    assert (default.compute_bytes_per_s, default.link_bytes_per_s) == (None, None)  # measured
+    assert schedule_options(parse_embrace_config({"link_bytes_per_s": None})).link_bytes_per_s is None
     cfg = parse_embrace_config({"compute_bytes_per_s": 2e9, "link_bytes_per_s": 125000000, "piece_bytes": 4096,
                                 "model_level": False, "max_in_flight": 3, "bucket_bytes": 8192})
     opts = schedule_options(cfg)
