@@ -52,14 +52,15 @@ class Branches(torch.nn.Module):
 
 
 def _reduce(rank: int, world: int, *, sequential: bool, sleeps: List[float], overlap: bool,
-            model_level: bool = True, branch_order: Optional[List[int]] = None) -> Dict[str, Any]:
+            model_level: bool = True, branch_order: Optional[List[int]] = None,
+            compute_bytes_per_s: Optional[float] = 1e15) -> Dict[str, Any]:
     model = Branches(sequential, sleeps, branch_order)
     params = list(model.parameters())
     specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i // 2) for i, p in enumerate(params)]
     # one bucket per layer (weight + bias), two pieces each, one collective in flight;
     # rates that call backward instantaneous: the static list puts the input layer first
     opts = ScheduleOptions(bucket_bytes=(DIM * DIM + DIM) * 4, piece_bytes=(DIM * DIM + DIM) * 2,
-                           max_in_flight=1, model_level=model_level, compute_bytes_per_s=1e15)
+                           max_in_flight=1, model_level=model_level, compute_bytes_per_s=compute_bytes_per_s)
     schedule = build_schedule(specs, opts)
     tracer = Tracer(rank=rank)
     red = ScheduledAllReduce(params, schedule, collectives.new_group(), overlap=overlap, tracer=tracer,
@@ -77,7 +78,9 @@ def _reduce(rank: int, world: int, *, sequential: bool, sleeps: List[float], ove
     return {"max_err": err, "events": tracer.events(), "layer_of_bucket": layer_of_bucket,
             "static_order": [p.bucket for p in schedule.issue_order], "rounds": red.agreement_rounds,
             "pieces": len(schedule.issue_order), "buckets": len(schedule.buckets),
-            "layers_ready": list(dict.fromkeys(ready))}
+            "layers_ready": list(dict.fromkeys(ready)), "rates": red.rates,
+            "options_rates": (schedule.options.compute_bytes_per_s, schedule.options.link_bytes_per_s),
+            "static_after": [(p.bucket, p.index) for p in schedule.issue_order]}
 
 
 def ready_early(rank: int, world: int) -> Dict[str, Any]:
@@ -94,4 +97,12 @@ def after_backward(rank: int, world: int, model_level: bool) -> Dict[str, Any]:
 def crossed_orders(rank: int, world: int) -> Dict[str, Any]:
     """Parallel branches whose gradients complete in a different order on each rank."""
     order = [(i + rank) % LAYERS for i in range(LAYERS)]
-    return _reduce(rank, world, sequential=False, sleeps=[0.1] * LAYERS, overlap=True, branch_order=order)
+    # rates not configured: measured (the link at start-up, backward over this step)
+    return _reduce(rank, world, sequential=False, sleeps=[0.1] * LAYERS, overlap=True, branch_order=order,
+                   compute_bytes_per_s=None)
+
+
+def two_rank_cases(rank: int, world: int) -> Dict[str, Any]:
+    """Every two-rank case in one spawn of the ranks."""
+    return {"ready_early": ready_early(rank, world), "priority": after_backward(rank, world, True),
+            "readiness": after_backward(rank, world, False)}
