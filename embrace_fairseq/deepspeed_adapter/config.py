@@ -45,6 +45,12 @@ class EmbraceConfig:
     output: how the output layer reads its sharded table in training (``embrace-ds-train``
         with fairseq's cross_entropy / label_smoothed_cross_entropy): ``"auto"`` (cheaper
         per step), ``"vocab-parallel"`` or ``"gather"``; the same as ``--embrace-output``.
+    next_forward: cross-iteration overlap: the step does not wait for the dense
+        all-reduce; each layer's parameters are updated when the next forward reaches the
+        layer (:mod:`embrace_fairseq.schedule.next_forward`), the same result as the whole
+        step. Applies at ZeRO stage 0 in fp32 without gradient clipping, with a torch
+        Adam, AdamW or SGD optimizer and without the relaxed embedding dependency;
+        elsewhere the schedule overlaps backward only and says why once in the log.
     shard_layout: which rank owns which embedding row, ``"strided"`` (id ``v`` on rank
         ``v % N``: balances the exchange of a frequency-sorted vocabulary) or
         ``"contiguous"`` (one id range per rank). ``None`` keeps the layout the tables
@@ -65,9 +71,10 @@ class EmbraceConfig:
     relaxed_embedding: bool = False
     output: str = "auto"
     shard_layout: Optional[str] = None
+    next_forward: bool = False
 
 
-_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding"}
+_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward"}
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
 _POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 from typing import Any, Dict, Optional
 
 import torch
@@ -52,7 +53,15 @@ from embrace_fairseq.deepspeed_adapter.engine_setup import (  # noqa: F401  (re-
 from embrace_fairseq.optim.grad_norm import nonfinite_gradients, raise_if_nonfinite
 from embrace_fairseq.optim.shard_optimizer import HyperParams, ShardOptimizer, kind_of
 from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
+from embrace_fairseq.schedule.next_forward import NextForwardUpdates
 from embrace_fairseq.schedule.plan import Schedule, ScheduleOptions, build_schedule
+
+
+logger = logging.getLogger(__name__)
+
+#: optimizers whose step is element-wise with per-parameter state: stepping a subset of
+#: the parameters later, with the same hyper-parameters, gives the whole step's result
+_ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def schedule_options(config: EmbraceConfig) -> ScheduleOptions:
@@ -89,6 +98,15 @@ class EmbraceEngineHook:
             self._take_over_reduction(module)
         else:
             grad_glue.extend_zero_norm(self)
+        self.next_forward: Optional[NextForwardUpdates] = None
+        if config.next_forward:
+            blocker = self._next_forward_blocker()
+            if blocker is None:
+                self.next_forward = NextForwardUpdates(module, self.reducer, self.tracer)
+                module.register_state_dict_pre_hook(lambda *_: self.flush())
+            elif collectives.rank() == 0:
+                logger.warning("EmbRace next-forward overlap is off, the schedule overlaps the backward only: %s",
+                               blocker)
         self.relaxed: Optional[RelaxedRows] = None
         if config.relaxed_embedding:
             # its own group (created and warmed up now, in the same order on every rank):
@@ -121,6 +139,57 @@ class EmbraceEngineHook:
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
             active=self._reducing_backward, tracer=self.tracer, gate=self.gate)
         self.engine.enable_backward_allreduce = False
+
+    def _next_forward_blocker(self) -> Optional[str]:
+        """Why the step must wait for every dense gradient here (None: it need not)."""
+        e = self.engine
+        basic = e.basic_optimizer if e.basic_optimizer is not None else e.optimizer
+        if self.reducer is None:
+            return f"ZeRO stage {self.zero_stage} reduces the dense gradients itself"
+        if not self.config.overlap:
+            return '"overlap" is off'
+        if e.fp16_enabled() or e.bfloat16_enabled():
+            return "fp16/bf16 step fp32 master weights as a whole (overflow check, master copy)"
+        if e.gradient_clipping() > 0:
+            return "global-norm gradient clipping needs every gradient before any update"
+        if self.config.relaxed_embedding:
+            return "not combined with the relaxed embedding dependency yet"
+        if type(basic) not in _ELEMENTWISE_OPTIMIZERS or any(g.get("fused") or g.get("capturable")
+                                                               for g in basic.param_groups):
+            return f"optimizer {type(basic).__name__} is not a plain torch Adam, AdamW or SGD"
+        return None
+
+    def _update_later(self, basic: Any) -> Any:
+        """The rule a deferred bucket is updated with: ``basic.step()`` on those parameters
+        only, with the learning rates of this step (the scheduler moves on meanwhile)."""
+        lrs = [g["lr"] for g in basic.param_groups]
+
+        @torch.no_grad()
+        def update(params: Any) -> None:
+            want = {id(p) for p in params}
+            kept, now = [], []
+            for g, lr in zip(basic.param_groups, lrs):
+                now.append(g["lr"])
+                g["lr"] = lr
+                for p in g["params"]:
+                    if p.grad is not None and id(p) not in want:
+                        kept.append((p, p.grad))
+                        p.grad = None
+            try:
+                basic.step()
+            finally:
+                for g, lr in zip(basic.param_groups, now):
+                    g["lr"] = lr
+                for p, grad in kept:
+                    p.grad = grad
+
+        return update
+
+    def flush(self) -> None:
+        """Complete a deferred step's dense updates now (cross-iteration overlap); a no-op
+        otherwise. Runs by itself before a backward, a ``state_dict``, a summary."""
+        if self.next_forward is not None:
+            self.next_forward.flush()
 
     # ------------------------------------------------------------------ engine glue
     def _reducing_backward(self) -> bool:
@@ -175,6 +244,7 @@ class EmbraceEngineHook:
                 return forward(*inputs, **kwargs)
 
         def traced_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.flush()  # what the forward did not complete (layers it skipped)
             if self.relaxed is not None:
                 self._join_relaxed()
             with tracer.phase("backward", step=e.global_steps):
@@ -196,7 +266,14 @@ class EmbraceEngineHook:
         if boundary:
             finish_pending(self.tables)
             self.refresh_masters(only_if_loaded=True)
-        if boundary and self.reducer is not None:
+        if boundary and self.next_forward is not None:
+            # cross-iteration: every rank checks its own gradients (a non-finite average
+            # has a non-finite addend) before any update; the dense ones follow later
+            self.check_gradients()
+            self.last_grad_norm = None
+            basic = e.basic_optimizer if e.basic_optimizer is not None else e.optimizer
+            self.next_forward.begin(self._update_later(basic))
+        elif boundary and self.reducer is not None:
             self.reducer.finish()
             self.check_gradients()
             self.last_grad_norm = None if self.relaxed is not None else grad_glue.global_grad_norm(e)
@@ -278,12 +355,15 @@ class EmbraceEngineHook:
     # ------------------------------------------------------------------ results
     def summary(self) -> Dict[str, Any]:
         """Bytes by kind and the hidden share of communication (from the trace)."""
+        self.flush()
         return self.tracer.summary()
 
     def close(self) -> Optional[str]:
         """Write the trace (when configured) and return its path."""
         if getattr(self, "relaxed", None) is not None:
             self.relaxed.wait()
+        if getattr(self, "next_forward", None) is not None:
+            self.flush()
         if getattr(self, "_closed", True) or self.config.trace is None:
             return None
         self._closed = True

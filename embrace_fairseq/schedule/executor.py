@@ -257,6 +257,13 @@ class ScheduledAllReduce:
         self._next = 0  # single-thread mode: index of the next piece of the issue list
         self._inflight: List[tuple] = []  # (pending, piece), oldest first
         self._flattened: set = set()
+        # the gradient each parameter had when it was marked ready: flattened from here,
+        # so that a deferred step (:meth:`defer`) may clear ``.grad`` meanwhile
+        self._grads: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self._issued: dict = {}  # (bucket, piece index) -> Pending, for :meth:`wait_bucket`
+        self._issued_cond = threading.Condition()
+        self._deferred = False
+        self._averaged: set = set()  # buckets whose average is in .grad (deferred step)
 
     def remove(self) -> None:
         """Detach the hooks (the object is unusable afterwards)."""
@@ -280,6 +287,9 @@ class ScheduledAllReduce:
         return hook
 
     def _begin(self) -> None:
+        if self._deferred:
+            raise RuntimeError("a reducing backward began while the previous step's deferred all-reduce was not "
+                               "drained: complete its buckets (NextForwardUpdates.flush) before the next backward")
         self._started = True
         self._backward_span = [time.perf_counter()]
         if self.overlap and not self.single_thread:
@@ -295,6 +305,7 @@ class ScheduledAllReduce:
             if self._ready[i]:
                 return
             self._ready[i] = True
+            self._grads[i] = self.params[i].grad
             b = self._bucket_of[i]
             self._missing[b] -= 1
             if self._missing[b] == 0:
@@ -326,7 +337,7 @@ class ScheduledAllReduce:
     # ------------------------------------------------------------------ communication
     def _flatten(self, b: int) -> torch.Tensor:
         bucket = self.schedule.buckets[b]
-        grads = [self.params[t].grad.detach().reshape(-1) for t in bucket.tensors]
+        grads = [self._grads[t].detach().reshape(-1) for t in bucket.tensors]
         flat = self._flat[b]
         if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self._flat[b] = torch.empty(bucket.numel, dtype=grads[0].dtype, device=grads[0].device)
@@ -347,7 +358,11 @@ class ScheduledAllReduce:
 
     def _launch(self, piece) -> None:
         view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
-        self._inflight.append((collectives.all_reduce_async(view, self.group), piece))
+        pending = collectives.all_reduce_async(view, self.group)
+        self._inflight.append((pending, piece))
+        with self._issued_cond:
+            self._issued[(piece.bucket, piece.index)] = pending
+            self._issued_cond.notify_all()
 
     def _gate_opened(self) -> None:
         if self._started and self.overlap:
@@ -475,11 +490,88 @@ class ScheduledAllReduce:
 
     def _average(self) -> None:
         for bucket in self.schedule.buckets:
-            flat = self._flat[bucket.index]
-            if self.world_size > 1:
-                flat.div_(self.world_size)
-            offset = 0
-            for t in bucket.tensors:
-                g = self.params[t].grad
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            self._average_bucket(bucket.index)
+
+    def _average_bucket(self, b: int) -> None:
+        bucket = self.schedule.buckets[b]
+        flat = self._flat[b]
+        if self.world_size > 1:
+            flat.div_(self.world_size)
+        offset = 0
+        for t in bucket.tensors:
+            p = self.params[t]
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if self._deferred:
+                p.grad = view  # .grad was cleared at defer(); the buffer lives until the next backward
+            else:
+                p.grad.copy_(view)
+            offset += p.numel()
+
+    # ------------------------------------------------------------------ deferred completion
+    @torch.no_grad()
+    def defer(self) -> None:
+        """End a reducing backward *without* waiting: every piece is (or will be) issued,
+        each dense parameter's ``.grad`` is cleared (so an optimizer step now skips it),
+        and :meth:`wait_bucket` later puts a bucket's average into ``.grad``. Call
+        :meth:`drain` after the last :meth:`wait_bucket`, before the next backward.
+        Every rank calls it where it would call :meth:`finish`."""
+        if not self._started:
+            self._started = True
+        self._mark_all()
+        self._deferred = True
+        if self.single_thread:
+            self._issue_ready(force=True)
+        else:
+            self._start_thread()
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def deferred(self) -> bool:
+        """A :meth:`defer` whose :meth:`drain` has not run yet."""
+        return self._deferred
+
+    @torch.no_grad()
+    def wait_bucket(self, b: int) -> List[torch.nn.Parameter]:
+        """Deferred step: wait for bucket ``b``'s pieces, leave its average in ``.grad``
+        of its parameters and return them. Once per bucket; on NCCL the wait orders the
+        current stream after the all-reduce (no host wait)."""
+        if not self._deferred:
+            raise RuntimeError("wait_bucket() outside a deferred step")
+        params = [self.params[t] for t in self.schedule.buckets[b].tensors]
+        if b in self._averaged:
+            return params
+        for piece in self.schedule.pieces_of(b):
+            with self._issued_cond:
+                while (piece.bucket, piece.index) not in self._issued:
+                    if self._error is not None:
+                        raise RuntimeError(f"dense gradient all-reduce failed: {self._error}") from self._error
+                    self._issued_cond.wait(timeout=1.0)
+                pending = self._issued[(piece.bucket, piece.index)]
+            pending.wait()
+        self._average_bucket(b)
+        self._averaged.add(b)
+        return params
+
+    def drain(self) -> None:
+        """Deferred step: wait for the rest of the communication (and its accounting)
+        and reset for the next backward. Every bucket must have been waited for."""
+        if not self._deferred:
+            return
+        missing = [b.index for b in self.schedule.buckets if b.index not in self._averaged]
+        try:
+            if self.single_thread:
+                while self._inflight:
+                    self._complete(self._inflight.pop(0))
+            elif self._thread is not None:
+                self._thread.join()
+            error = self._error
+            if error is not None:
+                raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
+            if missing:
+                raise RuntimeError(f"drain() before wait_bucket() of buckets {missing}")
+            if self._measure_backward:
+                self._measure_backward = False
+                self._resimulate()
+        finally:
+            self._reset()

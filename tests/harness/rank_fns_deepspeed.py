@@ -80,7 +80,7 @@ def _ds_config(gas=1, clip=0.05, embrace=None, stage=0):
     return cfg
 
 
-def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=None, slow_s=0.0):
+def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=None, slow_s=0.0, clip=0.05):
     """Train ``steps`` optimizer steps; return losses, full weights and the trace summary."""
     import deepspeed
 
@@ -92,10 +92,10 @@ def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=N
         # a slow rank: its hook on a middle layer sleeps in every backward
         model.fc1.weight.register_post_accumulate_grad_hook(lambda p: time.sleep(slow_s))
     if sharded:
-        engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(gas, embrace=embrace or {}))
+        engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(gas, clip=clip, embrace=embrace or {}))
     else:
         skip_shm_allreduce()  # no leaked /dev/shm buffer per rank
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(gas))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(gas, clip=clip))
     losses = []
     for step in range(steps):
         for micro in range(gas):
@@ -109,7 +109,8 @@ def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=N
     if hook is not None:
         hook.close()
     return {"losses": losses, "state": model.full_state(), "summary": summary,
-            "schedule": [(p.bucket, p.index) for p in hook.schedule.issue_order] if hook else None}
+            "schedule": [(p.bucket, p.index) for p in hook.schedule.issue_order] if hook else None,
+            "next_forward": hook is not None and hook.next_forward is not None}
 
 
 def one_step_each(rank, world):

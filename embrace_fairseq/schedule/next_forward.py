@@ -1,0 +1,132 @@
+"""Cross-iteration overlap: the dense all-reduce finishes during the *next* forward.
+
+At the optimizer step the scheduled all-reduce is not waited for
+(:meth:`ScheduledAllReduce.defer`); the step updates what it has (the tables' shards,
+whose averaged gradients arrived in backward) and each dense bucket is updated later,
+when the next forward is about to need it: a forward pre-hook on every layer waits for
+the buckets holding that layer's parameters, puts their average into ``.grad`` and runs
+the optimizer's rule on those parameters only (``update``). Pieces the next forward
+needs first are the input layers' ones, which the 2D schedule's model level sends first,
+so the later layers' communication runs behind the earlier layers' compute.
+
+The same result as the whole-model step, provided ``update`` applies the optimizer's
+per-parameter rule with the step's hyper-parameters (the adapter's job: element-wise
+optimizers such as Adam, AdamW and SGD qualify; a global decision over every gradient,
+as norm clipping or an fp16 overflow check, does not, and the adapters fall back to
+overlap with backward only).
+
+Which module reads which parameter: each element of an ``nn.ModuleList`` (a model's
+layers) is taken to read only the parameters in its own subtree in its forward, as
+fairseq's, Megatron's and Hugging Face's layers do; every other parameter (positional
+embeddings, final layer norms, output layers) is completed before the model's forward
+starts. :meth:`NextForwardUpdates.flush` completes everything (before the next backward,
+a checkpoint, an evaluation outside the training loop).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+
+from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.schedule.executor import ScheduledAllReduce
+
+#: applies the step's optimizer rule to these parameters (their ``.grad`` holds the average)
+Update = Callable[[List[torch.nn.Parameter]], None]
+
+
+def layer_buckets(module: torch.nn.Module, reducer: ScheduledAllReduce) -> Dict[torch.nn.Module, List[int]]:
+    """{module to hook: the buckets its forward needs}: every ``ModuleList`` element
+    (its subtree's parameters) and the root (every other reduced parameter), in bucket
+    priority order. Modules without reduced parameters are left out."""
+    bucket_of = {}
+    for b in reducer.schedule.buckets:
+        for t in b.tensors:
+            bucket_of[id(reducer.params[t])] = b.index
+    covered: Set[int] = set()
+    hooks: Dict[torch.nn.Module, List[int]] = {}
+    for sub in module.modules():
+        if not isinstance(sub, torch.nn.ModuleList):
+            continue
+        for layer in sub:
+            ids = [id(p) for p in layer.parameters() if id(p) in bucket_of and id(p) not in covered]
+            if ids:
+                covered.update(ids)
+                hooks[layer] = sorted({bucket_of[i] for i in ids})
+    rest = sorted({b for i, b in bucket_of.items() if i not in covered})
+    if rest:
+        hooks = {module: rest, **hooks}
+    prio = {b.index: (b.priority, b.index) for b in reducer.schedule.buckets}
+    return {m: sorted(bs, key=prio.__getitem__) for m, bs in hooks.items()}
+
+
+class NextForwardUpdates:
+    """Applies each dense bucket's optimizer update when the next forward needs it.
+
+    Args:
+        module: the model (its forward pre-hooks are registered now).
+        reducer: the scheduled all-reduce of the model's dense gradients.
+        tracer: marks each update (``next_forward_update``) on the timeline.
+
+    Use: at the optimizer step call :meth:`begin` (instead of ``reducer.finish()``),
+    with the update rule and its hyper-parameters fixed for this step; then step the
+    rest of the model as usual (the dense parameters have no ``.grad`` meanwhile).
+    """
+
+    def __init__(self, module: torch.nn.Module, reducer: ScheduledAllReduce,
+                 tracer: Optional[Tracer] = None) -> None:
+        self.reducer = reducer
+        self.tracer = tracer or Tracer(enabled=False)
+        self._update: Optional[Update] = None
+        self._pending: Set[int] = set()
+        self.buckets_by_module = layer_buckets(module, reducer)
+        self._handles = [m.register_forward_pre_hook(self._pre_hook(bs)) for m, bs in self.buckets_by_module.items()]
+        #: buckets updated inside a forward (not by a flush) in the last completed step
+        self.updated_in_forward = 0
+        self._in_forward = 0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending) or self.reducer.deferred
+
+    def begin(self, update: Update) -> None:
+        """The step: leave the dense all-reduce running; ``update`` applies each bucket later."""
+        self.flush()
+        self.reducer.defer()
+        self._update = update
+        self._pending = {b.index for b in self.reducer.schedule.buckets}
+        self.updated_in_forward = 0
+
+    def _pre_hook(self, buckets: Sequence[int]):
+        def hook(mod: torch.nn.Module, args: object) -> None:
+            # the communication is drained by flush(), before the next backward: a point
+            # every rank reaches in the same order (layers may be skipped, e.g. LayerDrop)
+            if self._pending:
+                for b in buckets:
+                    if b in self._pending:
+                        self._apply(b, in_forward=True)
+
+        return hook
+
+    def _apply(self, b: int, in_forward: bool) -> None:
+        assert self._update is not None
+        params = self.reducer.wait_bucket(b)
+        self._update(params)
+        for p in params:
+            p.grad = None  # the next backward accumulates afresh
+        self._pending.discard(b)
+        self.updated_in_forward += int(in_forward)
+        self.tracer.instant("next_forward_update", bucket=b, in_forward=in_forward)
+
+    def flush(self) -> None:
+        """Complete every pending update now (most urgent first) and the communication."""
+        if self._pending:
+            prio = {b.index: (b.priority, b.index) for b in self.reducer.schedule.buckets}
+            for b in sorted(self._pending, key=prio.__getitem__):
+                self._apply(b, in_forward=False)
+        self.reducer.drain()
