@@ -179,6 +179,16 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_next_forward", label="(e+) EmbRace, 2D schedule + next-forward overlap", short="EmbRace next-forward",
+    aliases=("next_forward",),
+    description="(e) with cross-iteration overlap: the step does not wait for the dense all-reduce; each layer "
+                "is updated when the next forward reaches it (input layers first, as the model level sends them); "
+                "the round's last step finishes its updates on the clock (simulator cost: (e)'s)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_next_forward"), shards_table=True,
+)
+
+register_strategy(
     "embrace_relaxed", label="(e'') EmbRace, 2D schedule + relaxed embedding", short="EmbRace relaxed",
     aliases=("relaxed",),
     description="(e) with the relaxed embedding dependency: the gradient rows the next batch does not read travel "

@@ -83,6 +83,13 @@ class Strategy:
         self.steps_done += 1
         return loss
 
+    def settle(self) -> None:
+        """Finish work a step left running into the next forward (cross-iteration
+        overlap): the bench calls it, timed, before another strategy runs, so that
+        no strategy's communication hides behind another's compute."""
+        if self.hook is not None:
+            self.hook.flush()
+
 
 def _loss(criterion, model_like, batch) -> torch.Tensor:
     loss, sample_size, _ = criterion(model_like, batch)
@@ -282,6 +289,11 @@ def build_embrace_relaxed(name: str, w: W.Workload, task: Any, data, counter: Co
 def build_embrace_schedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                            trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, True, trace_prefix)
+
+
+def build_embrace_next_forward(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                               trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"next_forward": True}, trace_prefix)
 
 
 def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
