@@ -52,6 +52,7 @@ from embrace_fairseq.deepspeed_adapter.engine_setup import (  # noqa: F401  (re-
 )
 from embrace_fairseq.optim.grad_norm import nonfinite_gradients, raise_if_nonfinite
 from embrace_fairseq.optim.shard_optimizer import HyperParams, ShardOptimizer, kind_of
+from embrace_fairseq.schedule.exchange_marks import scope_grad_exchanges, trace_tables
 from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
 from embrace_fairseq.schedule.next_forward import NextForwardUpdates
 from embrace_fairseq.schedule.plan import Schedule, ScheduleOptions, build_schedule
@@ -122,8 +123,8 @@ class EmbraceEngineHook:
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._weights_loaded = False
         module.register_load_state_dict_post_hook(self._on_weights_loaded)
-        grad_glue.trace_tables(self)
-        grad_glue.scope_grad_exchanges(self)
+        trace_tables(self.tables, self.tracer)
+        scope_grad_exchanges(self.tables, self.gate, self._reducing_backward)
         self._wrap_engine()
         self._closed = False
         if config.trace is not None:

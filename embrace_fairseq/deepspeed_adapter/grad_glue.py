@@ -1,17 +1,15 @@
 """The gradient side of the DeepSpeed hook: checks of the engine, ZeRO's global norm
-extended by the shards, clipping over all ranks, and the exchange gate and trace marks
-set on the tables. Each function takes the hook (or the engine) it works for."""
+extended by the shards, clipping over all ranks. Each function takes the hook (or the
+engine) it works for."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
 
-from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param, sharded_embeddings
-from embrace_fairseq.core.trace import TracingLedger
+from embrace_fairseq.core.sharded_embedding import is_sharded_param, sharded_embeddings
 from embrace_fairseq.deepspeed_adapter.config import EmbraceConfigError
 from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
-from embrace_fairseq.schedule.executor import gate_scope
 
 
 def check_engine(engine: Any) -> None:
@@ -85,32 +83,3 @@ def clip_gradients(engine: Any, total: Optional[torch.Tensor] = None) -> torch.T
     if params:
         torch._foreach_mul_([p.grad.detach() for p in params], coef.to(params[0].grad.device))
     return total
-
-
-def trace_tables(hook: Any) -> None:
-    """Tracing on: each table records its exchanges into a :class:`TracingLedger`; a
-    forward exchange starts at the module's forward (the backward one: :func:`scope_grad_exchanges`)."""
-    if not hook.tracer.enabled:
-        return
-    for emb in hook.tables:
-        ledger = TracingLedger(hook.tracer, inner=emb.ledger)
-        emb.ledger = ledger
-
-        def pre(module: ShardedEmbedding, inputs: Any, ledger: TracingLedger = ledger) -> None:
-            ledger.mark()
-
-        emb.register_forward_pre_hook(pre)
-
-
-def scope_grad_exchanges(hook: Any) -> None:
-    """Around each gradient exchange of a table's looked-up rows -- once per exchange,
-    whatever number of outputs the lookup served (encoder and decoder tokens of a shared
-    table are one exchange) or of lookups the shard gradient sums: the trace marks its
-    start, and in a reducing backward the exchange gate is closed for it (entered when
-    it begins, left when it ended). Call after :func:`trace_tables`."""
-    gate = hook.gate
-    for emb in hook.tables:
-        ledger = emb.ledger if isinstance(emb.ledger, TracingLedger) else None
-        if not emb.is_sharded or (gate is None and ledger is None):
-            continue
-        emb.set_grad_exchange_scope(gate_scope(gate, hook._reducing_backward, ledger.mark if ledger else None))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import field, make_dataclass
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
 import torch.nn as nn
 from fairseq.dataclass import ChoiceEnum
@@ -31,7 +31,8 @@ from embrace_fairseq.core.tied_projection import TiedShardedProjection
 from embrace_fairseq.core.vocab_parallel import AUTO, GATHER, OUTPUT_MODES
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, LAYOUTS, check_layout
-from embrace_fairseq.fairseq_adapter.scheduled_ddp import SCHEDULE_FLAG, SCHEDULE_HELP, SCHEDULE_MODES
+from embrace_fairseq.fairseq_adapter.scheduled_ddp import (
+    SCHEDULE_FLAG, SCHEDULE_HELP, SCHEDULE_MODES, TRACE_FLAG, TRACE_HELP)
 
 LAYOUT_FLAG = "--embrace-shard-layout"
 LAYOUT_HELP = ("which rank owns which embedding row: strided (id v on rank v mod N, balances the exchange of a "
@@ -119,6 +120,7 @@ def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
     The shards' gradients are complete after the AlltoAll of the backward pass.
     """
     model.embrace_schedule = str(safe_getattr(args, "embrace_schedule", None) or "on")
+    model.embrace_trace = safe_getattr(args, "embrace_trace", None) or None
     names = []
     for name, p in model.named_parameters(remove_duplicate=False):
         if is_sharded_param(p) and getattr(p, "_embrace_table")().is_sharded:
@@ -195,6 +197,7 @@ class EmbraceTransformerModel(TransformerModel):
         parser.add_argument("--embrace-output", choices=OUTPUT_MODES, default=AUTO, help=OUTPUT_HELP)
         parser.add_argument(LAYOUT_FLAG, choices=list(LAYOUTS), default=DEFAULT_LAYOUT, help=LAYOUT_HELP)
         parser.add_argument(SCHEDULE_FLAG, choices=list(SCHEDULE_MODES), default="on", help=SCHEDULE_HELP)
+        parser.add_argument(TRACE_FLAG, metavar="DIR", default=None, help=TRACE_HELP)
 
     @classmethod
     def build_model(cls, args, task):
@@ -229,7 +232,8 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
     [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP})),
      ("embrace_shard_layout", ChoiceEnum(list(LAYOUTS)),
       field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP})),
-     ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP}))],
+     ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP})),
+     ("embrace_trace", Optional[str], field(default=None, metadata={"help": TRACE_HELP}))],
     bases=(TransformerLanguageModelConfig,),
 )
 EmbraceTransformerLanguageModelConfig.__module__ = __name__

@@ -18,9 +18,11 @@ this module only wires it to fairseq.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
+import os
 from typing import Any, Iterator, Optional
 
 import torch
@@ -31,7 +33,9 @@ from fairseq.distributed import ModuleProxyWrapper
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.sharded_embedding import sharded_embeddings
-from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce, gate_scope
+from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.schedule.exchange_marks import scope_grad_exchanges, trace_tables
+from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
 from embrace_fairseq.schedule.model_inputs import dense_parameters, tensor_specs
 from embrace_fairseq.schedule.plan import ScheduleOptions, build_schedule
 
@@ -39,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 SCHEDULE_FLAG = "--embrace-schedule"
 SCHEDULE_MODES = ("on", "off")
+TRACE_FLAG = "--embrace-trace"
+TRACE_HELP = ("with the 2D schedule: write a Chrome trace per rank, DIR/trace.rank<N>.json (forward, backward, "
+              "every dense piece and embedding exchange), and log the bytes by kind and the share of communication "
+              "hidden behind compute at the end of training")
 SCHEDULE_HELP = ("on: the dense gradients of an EmbRace model are all-reduced during the backward in the 2D "
                  "schedule's order (input-near layers first, in pieces, held back while an embedding exchange "
                  "runs), replacing --ddp-backend's reduction; off: fairseq's own data-parallel wrapper")
@@ -56,10 +64,12 @@ class ScheduledDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
-                 options: Optional[ScheduleOptions] = None) -> None:
+                 options: Optional[ScheduleOptions] = None, trace: Optional[str] = None) -> None:
         super().__init__()
         self.module = module
         self.accumulate_grads = False
+        self.trace = trace
+        self.tracer = Tracer(rank=collectives.rank(), enabled=trace is not None)
         options = options or ScheduleOptions()
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
         # the all-reduces get a group of their own (created now, in the same order on every
@@ -68,10 +78,14 @@ class ScheduledDataParallel(nn.Module):
         self.schedule = build_schedule(tensor_specs(module), options)
         self.gate = ExchangeGate() if options.model_level else None
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,
-                                          active=self._reducing, gate=self.gate)
-        for emb in sharded_embeddings(module):
-            if emb.is_sharded and self.gate is not None:
-                emb.set_grad_exchange_scope(gate_scope(self.gate, self._reducing))
+                                          active=self._reducing, gate=self.gate, tracer=self.tracer,
+                                          trace_backward=True)
+        tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
+        trace_tables(tables, self.tracer)
+        scope_grad_exchanges(tables, self.gate, self._reducing)
+        self._closed = False
+        if trace is not None:
+            atexit.register(self.close)
         logger.info("EmbRace 2D schedule: %d dense tensors in %d buckets, %d pieces, all-reduced during the "
                     "backward (replaces the --ddp-backend reduction; --embrace-schedule off restores it)",
                     len(self.schedule.tensors), len(self.schedule.buckets), len(self.schedule.issue_order))
@@ -90,7 +104,28 @@ class ScheduledDataParallel(nn.Module):
             self.accumulate_grads = old
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        with self.tracer.phase("forward"):
+            return self.module(*inputs, **kwargs)
+
+    def summary(self) -> dict:
+        """Bytes by kind and the hidden share of communication (from the trace)."""
+        return self.tracer.summary()
+
+    def close(self) -> Optional[str]:
+        """End of training (at exit when tracing): write ``<trace>/trace.rank<N>.json``
+        and log the summary once (rank 0). Returns the trace's path."""
+        if self._closed or self.trace is None:
+            return None
+        self._closed = True
+        path = self.tracer.save(os.path.join(self.trace, "trace"))
+        if collectives.rank() == 0:
+            s = self.summary()
+            mb = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(s["bytes_by_kind"].items()))
+            logger.info("EmbRace summary (rank 0): %s; communication %.1f s, %.0f%% hidden behind compute; "
+                        "%d of %d dense collectives began during their backward; trace %s",
+                        mb or "nothing sent", s["comm_seconds"], 100 * s["hidden_share"],
+                        s["dense_started_in_backward"], s["dense_collectives"], path)
+        return path
 
     @torch.no_grad()
     def all_reduce_grads(self) -> None:
@@ -109,7 +144,8 @@ def _distributed_model(original):
     def wrap(args: Any, model: nn.Module, process_group: Any, device: torch.device) -> nn.Module:
         if getattr(args, "tpu", False) or not wants_schedule(model):
             return original(args, model, process_group, device)
-        return ModuleProxyWrapper(ScheduledDataParallel(model.to(device), process_group))
+        trace = getattr(model, "embrace_trace", None)
+        return ModuleProxyWrapper(ScheduledDataParallel(model.to(device), process_group, trace=trace))
 
     return wrap
 

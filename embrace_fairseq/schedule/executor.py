@@ -7,9 +7,10 @@ which buckets are ready everywhere; their pieces enter the queue and the most ur
 waiting piece (:func:`~embrace_fairseq.schedule.plan.piece_key`) goes out as an
 asynchronous all-reduce once a credit is free. A ready piece therefore never waits for
 an earlier one that is not ready, and every rank still pairs the same collectives
-whatever its timing: what is issued depends only on what all ranks agreed. A rank with
-nothing queued and nothing new waits for its next ready bucket before agreeing again,
-so there is at most one agreement round per piece and one per bucket. (Agreement is
+whatever its timing: what is issued depends only on what all ranks agreed. After a round
+every free credit is used; a rank with nothing queued and nothing new waits for its next
+ready bucket before agreeing again, so there is at most one agreement round per credit
+that comes back and one per bucket. (Agreement is
 needed because which parameters get a gradient, and so the order buckets complete in,
 can differ between ranks: fairseq's adaptive softmax computes a tail cluster only when
 a target falls in it.)
@@ -51,7 +52,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.schedule import rates
-from embrace_fairseq.schedule.plan import Piece, Schedule, piece_key
+from embrace_fairseq.schedule.plan import Schedule, piece_key
 from embrace_fairseq.core.trace import Tracer
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,9 @@ class ScheduledAllReduce:
         agree_group: the group of the thread's readiness agreement (same ranks as
             ``group``). ``None``: one is created now (collective: every rank builds its
             reducer in the same order); not used in single-thread mode.
+        trace_backward: put a ``backward`` compute phase on the trace, from the first
+            gradient hook to the end of backward (for engines whose backward the caller
+            cannot time itself, as fairseq's trainer).
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class ScheduledAllReduce:
         gate: Optional[ExchangeGate] = None,
         single_thread: Optional[bool] = None,
         agree_group: Optional["dist.ProcessGroup"] = None,
+        trace_backward: bool = False,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
@@ -215,6 +220,7 @@ class ScheduledAllReduce:
         self.active = active
         self.ledgers = [global_ledger()] + ([ledger] if ledger is not None and ledger is not global_ledger() else [])
         self.tracer = tracer or Tracer(enabled=False)
+        self.trace_backward = trace_backward
         self.gate = gate
         if gate is not None and self.single_thread:
             gate.add_listener(self._gate_opened)
@@ -292,6 +298,7 @@ class ScheduledAllReduce:
                                "drained: complete its buckets (NextForwardUpdates.flush) before the next backward")
         self._started = True
         self._backward_span = [time.perf_counter()]
+        self._backward_t0_us = self.tracer.now()
         if self.overlap and not self.single_thread:
             self._start_thread()
 
@@ -316,6 +323,8 @@ class ScheduledAllReduce:
         # every gradient of this backward is computed: pieces issued before this point
         # overlapped the backward
         self.tracer.instant("gradients_ready")
+        if self.trace_backward:
+            self.tracer.compute("backward", self._backward_t0_us, self.tracer.now())
         self._backward_span.append(time.perf_counter())
         self._mark_all()
         if not self.overlap:
@@ -396,6 +405,7 @@ class ScheduledAllReduce:
                     # same decision on every rank: the queue holds only agreed pieces
                     if not queue:
                         self._wait_for_news(agreed)
+                    t_agree = self.tracer.now()
                     for b in self._agree():
                         if not agreed[b]:
                             agreed[b] = True
@@ -403,13 +413,17 @@ class ScheduledAllReduce:
                             for piece in self.schedule.pieces_of(b):
                                 heapq.heappush(queue, (piece_key(buckets, piece, self.schedule.options), piece))
                     rounds += 1
+                    self.tracer.instant("agreed", began_us=t_agree, ready_everywhere=len(agreed) - unagreed)
                     if not queue:
                         continue
-                _, piece = heapq.heappop(queue)
-                self._make_room(piece)
-                with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
-                    self._launch(piece)  # the gate's lock is not held here
-                left -= 1
+                # every free credit now, most urgent first (how many is the same on every
+                # rank: credits come back only in _wait_credit, oldest first)
+                while queue and len(self._inflight) < self.schedule.options.max_in_flight:
+                    _, piece = heapq.heappop(queue)
+                    self._make_room(piece)
+                    with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
+                        self._launch(piece)  # the gate's lock is not held here
+                    left -= 1
             self.agreement_rounds = rounds
             while self._inflight:
                 self._complete(self._inflight.pop(0))

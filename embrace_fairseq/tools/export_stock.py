@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "embrace_"
 #: model-configuration keys that exist only on EmbRace architectures
-EMBRACE_KEYS = ("embrace_output", "embrace_shard_layout", "embrace_schedule")
+EMBRACE_KEYS = ("embrace_output", "embrace_shard_layout", "embrace_schedule", "embrace_trace")
 #: training state a model file for inference does not need (and whose numpy meters
 #: ``weights_only`` refuses)
 TRAINING_STATE = ("last_optimizer_state",)

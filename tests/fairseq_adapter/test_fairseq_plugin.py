@@ -8,6 +8,7 @@ on``, the default), the stock ones with ``--ddp-backend``'s reduction.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -96,11 +97,23 @@ def _run_case(case, mt_data, lm_data, tmp_path, ours_extra=(), scheduled=True):
     assert (SCHEDULED in ours.output) is scheduled and SCHEDULED not in stock.output
     worst = _assert_same(stock, ours, f"{stock_arch} x{nproc} {' '.join(extra)}")
     print(f"{stock_arch} on {nproc} ranks {' '.join(extra)}: worst relative loss difference {worst:.2e}")
+    return ours
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}-{c[2]}ranks-{'_'.join(c[3])}")
 def test_same_training_as_stock(case, mt_data, lm_data, tmp_path):
-    _run_case(case, mt_data, lm_data, tmp_path)
+    """... with --embrace-trace: one trace per rank and the end-of-training summary."""
+    trace = tmp_path / "trace"
+    ours = _run_case(case, mt_data, lm_data, tmp_path, ours_extra=["--embrace-trace", str(trace)])
+    assert "EmbRace summary (rank 0):" in ours.output and "hidden behind compute" in ours.output, ours.output[-2000:]
+    for rank in range(case[2]):
+        doc = json.loads((trace / f"trace.rank{rank}.json").read_text())
+        names = {e["name"] for e in doc["traceEvents"]}
+        assert {"forward", "backward", "dense_grad", "gradients_ready"} <= names, names
+        summary = doc["otherData"]
+        assert summary["bytes_by_kind"]["dense_grad"] > 0 and summary["dense_collectives"] > 0
+        # the 2D schedule at work: dense pieces begin while their backward still runs
+        assert summary["dense_started_in_backward"] > 0, summary
 
 
 @pytest.mark.slow

@@ -84,6 +84,6 @@ def _train(variant: str, trace_prefix: str) -> Dict[str, Any]:
         after_step.append({"open": not gate.busy, "entered": gate.entered, "left": gate.left})
     params = dense_parameters(model)
     buckets = {b.index: [names[id(params[t])] for t in b.tensors] for b in hook.schedule.buckets}
-    events = [e for e in hook.tracer.events() if e["name"] in ("backward", "dense_grad", "gradients_ready", "grad_rows")]
+    events = [e for e in hook.tracer.events() if e["name"] in ("backward", "dense_grad", "gradients_ready", "grad_rows", "agreed")]
     hook.close()
     return {"losses": losses, "after_step": after_step, "buckets": buckets, "events": events}

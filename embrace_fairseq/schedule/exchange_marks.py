@@ -1,0 +1,38 @@
+"""What the schedule sets on each sharded table: trace marks of its exchanges and the
+exchange gate around its gradient exchange. Shared by both training engines' adapters."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
+from embrace_fairseq.core.trace import Tracer, TracingLedger
+from embrace_fairseq.schedule.executor import ExchangeGate, gate_scope
+
+
+def trace_tables(tables: Sequence[ShardedEmbedding], tracer: Tracer) -> None:
+    """Tracing on: each table records its exchanges into a :class:`TracingLedger`; a
+    forward exchange starts at the module's forward (the backward one: :func:`scope_grad_exchanges`)."""
+    if not tracer.enabled:
+        return
+    for emb in tables:
+        ledger = TracingLedger(tracer, inner=emb.ledger)
+        emb.ledger = ledger
+
+        def pre(module: ShardedEmbedding, inputs: Any, ledger: TracingLedger = ledger) -> None:
+            ledger.mark()
+
+        emb.register_forward_pre_hook(pre)
+
+
+def scope_grad_exchanges(tables: Sequence[ShardedEmbedding], gate: Optional[ExchangeGate],
+                         active: Callable[[], bool]) -> None:
+    """Around each gradient exchange of a table's looked-up rows -- once per exchange,
+    whatever number of outputs the lookup served (encoder and decoder tokens of a shared
+    table are one exchange) or of lookups the shard gradient sums: the trace marks its
+    start, and in a reducing backward (``active()``) the exchange gate is closed for it
+    (entered when it begins, left when it ended). Call after :func:`trace_tables`."""
+    for emb in tables:
+        ledger = emb.ledger if isinstance(emb.ledger, TracingLedger) else None
+        if not emb.is_sharded or (gate is None and ledger is None):
+            continue
+        emb.set_grad_exchange_scope(gate_scope(gate, active, ledger.mark if ledger else None))
