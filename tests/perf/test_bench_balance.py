@@ -60,3 +60,26 @@ def test_layout_check_compares_contiguous_with_strided_per_run():
     assert "1.250 [1.25, 1.25]" in text and "yes, faster" in text
     assert "NO" in "\n".join(_layouts({"layouts": faster}))
     assert layout_check([_run("embrace_schedule", strided, 1.0)]) == {}
+
+
+def test_schedule_ablation_against_fifo_and_the_floor():
+    from embrace_fairseq.perf.bench.markdown import _ablation
+    from embrace_fairseq.perf.bench.report import schedule_ablation
+
+    fifo = [1.0, 1.2, 1.1, 1.0]
+    runs = [_run("compute_floor", [0.5] * 4, 1.0), _run("embrace_fifo", fifo, 1.0),
+            _run("embrace_schedule", [s / 2 for s in fifo], 1.0), _run("fairseq_legacy_ddp", [3.0] * 4, 1.0)]
+    runs[2]["hidden_share"] = 0.8
+    rows = schedule_ablation(runs)["lm/w4/1gbit_0.1ms"]
+    # only the ablation's variants, in its order; the floor and the stock strategies are not rows
+    assert [r["strategy"] for r in rows] == ["embrace_fifo", "embrace_schedule"]
+    base, sched = rows
+    assert base["fifo_over_variant"]["ratio"] == 1.0
+    # every step twice as fast: FIFO / variant is 2 whatever the resample
+    assert sched["fifo_over_variant"]["ratio"] == pytest.approx(2.0)
+    assert sched["fifo_over_variant"]["low"] == pytest.approx(2.0) == sched["fifo_over_variant"]["high"]
+    assert sched["over_floor"] == pytest.approx(sched["median_step_s"] / 0.5)
+    md = "\n".join(_ablation({"schedule_ablation": {"lm/w4/1gbit_0.1ms": rows}, "confidence": 0.95}))
+    assert "| lm/w4/1gbit_0.1ms | (e) EmbRace, 2D schedule |" in md and "| 80% |" in md
+    # without FIFO in the run there is nothing to compare with
+    assert schedule_ablation([r for r in runs if r["strategy"] != "embrace_fifo"]) == {}

@@ -180,6 +180,29 @@ def _layouts(result: Dict[str, Any]) -> List[str]:
     return L
 
 
+def _ablation(result: Dict[str, Any]) -> List[str]:
+    """The schedule's parts, each against FIFO overlap with backward."""
+    table = result.get("schedule_ablation") or {}
+    if not table:
+        return []
+    conf = 100 * result.get("confidence", 0.95)
+    L = ["## The 2D schedule, part by part", "",
+         f"FIFO / variant = FIFO overlap's median step over the variant's, {conf:.0f} % paired-bootstrap interval "
+         "(above 1: the variant is faster); hidden = share of communication time overlapped by compute; "
+         "over floor = median step / the compute-only floor's.", "",
+         "| run | variant | median step s | FIFO / variant | hidden | over floor |", "|---|---|---|---|---|---|"]
+    for key, rows in table.items():
+        for row in rows:
+            label = get_strategy(row["strategy"]).label
+            iv = row["fifo_over_variant"]
+            hid = "-" if row["hidden_share"] is None else f"{100 * row['hidden_share']:.0f}%"
+            flo = "-" if row["over_floor"] is None else f"{row['over_floor']:.2f}"
+            L.append(f"| {key} | {label} | {row['median_step_s']:.3f} | {iv['ratio']:.2f}x{_interval(iv)} | "
+                     f"{hid} | {flo} |")
+    L.append("")
+    return L
+
+
 def _goal(result: Dict[str, Any]) -> List[str]:
     L = ["## Goal (4 ranks, 1 Gbit/s)", ""]
     if not result["goal"]:
@@ -192,7 +215,7 @@ def _goal(result: Dict[str, Any]) -> List[str]:
 
 
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
-    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _goal(result)
+    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _ablation(result) + _goal(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "

@@ -36,6 +36,10 @@ BYTES_GOAL = 1.10
 # Shard layouts: the default (strided) layout's step is no slower than the contiguous one's
 # at any rank count: the interval of contiguous / strided must reach 1.0 or above
 LAYOUT_PAIR = ("embrace_contiguous", SPEEDUP_SUBJECT)
+#: the schedule's ablation, in the order each adds a part; FIFO overlap is the baseline
+ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_next_forward", "embrace_relaxed")
+ABLATION_BASE = "embrace_fifo"
+FLOOR = "compute_floor"
 # exchange phases and the side of each that the shard layout decides (owners serve rows
 # in forward and receive gradient rows in backward)
 EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
@@ -179,6 +183,29 @@ def layout_check(runs: List[Dict[str, Any]],
     return out
 
 
+def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """Per run key where FIFO overlap ran: each ablation variant's median step, FIFO's
+    median step over the variant's with its paired-bootstrap interval (above 1: the
+    variant is faster), its hidden share and its step over the compute-only floor."""
+    by = _by_key(runs)
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for (key, s), base in by.items():
+        if s != ABLATION_BASE:
+            continue
+        floor = by.get((key, FLOOR))
+        rows = []
+        for name in ABLATION:
+            r = by.get((key, name))
+            if r is None:
+                continue
+            rows.append({"strategy": name, "median_step_s": r["median_step_s"],
+                         "fifo_over_variant": paired_ratio_interval(base["step_s"], r["step_s"]),
+                         "hidden_share": r.get("hidden_share"),
+                         "over_floor": r["median_step_s"] / floor["median_step_s"] if floor else None})
+        out[key] = rows
+    return out
+
+
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
     meta = dict(meta, bounds="perf.bounds.min_bytes_per_step")
@@ -225,7 +252,8 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
     intervals = _ratio_intervals(runs)
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
-              "layouts": layout_check(runs, intervals), "loss_max_rel_diff_vs_legacy_ddp": consistency}
+              "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
+              "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     return result
 
