@@ -138,6 +138,63 @@ def _scheduled(device: torch.device, cpu: bool, d: Dict[str, Any]) -> None:
     d["pieces"], d["comm_us"] = len(events), sum(e["dur"] for e in events)
 
 
+class _Layers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _next_forward(device: torch.device, d: Dict[str, Any]) -> None:
+    """Cross-iteration overlap on the group's backend: the deferred all-reduce waited for
+    per layer in the next forward (on NCCL a stream wait), the same weights as the whole step."""
+    from embrace_fairseq.core import collectives
+    from embrace_fairseq.schedule.executor import ScheduledAllReduce
+    from embrace_fairseq.schedule.next_forward import NextForwardUpdates
+    from embrace_fairseq.schedule.plan import ScheduleOptions, TensorSpec, build_schedule
+
+    ref, ours = _Layers().to(device), _Layers().to(device)
+    params = list(ours.parameters())
+    specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i) for i, p in enumerate(params)]
+    sched = build_schedule(specs, ScheduleOptions(piece_bytes=8192, bucket_bytes=16640, max_in_flight=2))
+    red = ScheduledAllReduce(params, sched, collectives.new_group())
+    nf = NextForwardUpdates(ours, red)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def update(sub):
+        keep = {id(p) for p in sub}
+        saved = [(p, p.grad) for p in params if id(p) not in keep]
+        for p, _ in saved:
+            p.grad = None
+        opt.step()
+        for p, g in saved:
+            p.grad = g
+
+    in_forward = []
+    for step in range(3):
+        x = torch.randn(16, 64, device=device, generator=None)
+        out_ref, out = ref(x), ours(x)
+        in_forward.append(nf.updated_in_forward)  # the previous step's buckets, updated by this forward
+        _close(d, f"next_forward_out{step}", out, out_ref, 1e-6)
+        out_ref.sum().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        out.sum().backward()
+        nf.begin(update)
+    nf.flush()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        _close(d, "next_forward_weights", a, b, 1e-6)
+    d["next_forward_in_forward"] = in_forward
+    if not all(k > 0 for k in in_forward[1:]):
+        raise AssertionError(f"no bucket was updated inside the next forward: {in_forward}")
+
+
 def exchange(out: Path, cpu: bool) -> Dict[str, Any]:
     import torch.distributed as dist
 
@@ -150,6 +207,7 @@ def exchange(out: Path, cpu: bool) -> Dict[str, Any]:
         _guards(device, d)
         _relaxed(device, d)
         _scheduled(device, cpu, d)
+        _next_forward(device, d)
     finally:
         dist.destroy_process_group()
     return {"status": "pass", "detail": d}
