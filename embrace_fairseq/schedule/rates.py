@@ -29,7 +29,13 @@ DEFAULT_LINK_BYTES_PER_S = ScheduleOptions.ASSUMED_LINK_BYTES_PER_S
 
 
 def slowest_seconds(seconds: float, group: collectives.Group = None) -> float:
-    """The largest of every rank's ``seconds`` (collective)."""
+    """The largest of every rank's ``seconds`` (collective; a lone process: its own).
+
+    >>> slowest_seconds(0.25)
+    0.25
+    """
+    if collectives.world_size(group) <= 1:
+        return float(seconds)
     t = torch.tensor([float(seconds)], dtype=torch.float64)
     collectives.all_reduce(t, op="max", group=group)
     return float(t.item())
