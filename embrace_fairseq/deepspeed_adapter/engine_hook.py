@@ -104,7 +104,8 @@ class EmbraceEngineHook:
             blocker = self._next_forward_blocker()
             if blocker is None:
                 self.next_forward = NextForwardUpdates(module, self.reducer, self.tracer)
-                module.register_state_dict_pre_hook(lambda *_: self.flush())
+                # the checkpoint writer alone may read them: local completion only
+                module.register_state_dict_pre_hook(lambda *_: self.next_forward.complete())
             elif collectives.rank() == 0:
                 logger.warning("EmbRace next-forward overlap is off, the schedule overlaps the backward only: %s",
                                blocker)
@@ -188,7 +189,9 @@ class EmbraceEngineHook:
 
     def flush(self) -> None:
         """Complete a deferred step's dense updates now (cross-iteration overlap); a no-op
-        otherwise. Runs by itself before a backward, a ``state_dict``, a summary."""
+        otherwise. Collective (every rank, same point); runs by itself before a backward.
+        A ``state_dict()``, ``summary()`` or ``close()`` completes the updates on its own
+        rank only."""
         if self.next_forward is not None:
             self.next_forward.flush()
 
@@ -356,7 +359,8 @@ class EmbraceEngineHook:
     # ------------------------------------------------------------------ results
     def summary(self) -> Dict[str, Any]:
         """Bytes by kind and the hidden share of communication (from the trace)."""
-        self.flush()
+        if self.next_forward is not None:
+            self.next_forward.complete()
         return self.tracer.summary()
 
     def close(self) -> Optional[str]:
@@ -364,7 +368,7 @@ class EmbraceEngineHook:
         if getattr(self, "relaxed", None) is not None:
             self.relaxed.wait()
         if getattr(self, "next_forward", None) is not None:
-            self.flush()
+            self.next_forward.complete()
         if getattr(self, "_closed", True) or self.config.trace is None:
             return None
         self._closed = True

@@ -248,13 +248,16 @@ class ScheduledAllReduce:
             schedule.resimulate(opts.compute_bytes_per_s, self._link_rate)
         #: (backward, link) bytes per second the static list was last simulated with
         self.rates = (schedule.options.compute_rate, self._link_rate)
+        # seconds from the first gradient hook to the end of the last reduced backward on
+        # this rank (None: no hook fired); False until a reduced step has run
+        self._last_backward_s: object = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
 
     # ------------------------------------------------------------------ per step state
     def _reset(self) -> None:
         self._started = False
-        self._backward_span: List[float] = []  # perf_counter at the first hook, at the end
+        self._backward_s: Optional[float] = None  # this step's, from the first hook (None: none fired)
         self._ready = [False] * len(self.params)
         self._missing = [len(b.tensors) for b in self.schedule.buckets]
         self._events = [threading.Event() for _ in self.schedule.buckets]
@@ -297,7 +300,7 @@ class ScheduledAllReduce:
             raise RuntimeError("a reducing backward began while the previous step's deferred all-reduce was not "
                                "drained: complete its buckets (NextForwardUpdates.flush) before the next backward")
         self._started = True
-        self._backward_span = [time.perf_counter()]
+        self._backward_t0_s = time.perf_counter()
         self._backward_t0_us = self.tracer.now()
         if self.overlap and not self.single_thread:
             self._start_thread()
@@ -325,7 +328,7 @@ class ScheduledAllReduce:
         self.tracer.instant("gradients_ready")
         if self.trace_backward:
             self.tracer.compute("backward", self._backward_t0_us, self.tracer.now())
-        self._backward_span.append(time.perf_counter())
+        self._backward_s = time.perf_counter() - self._backward_t0_s
         self._mark_all()
         if not self.overlap:
             return
@@ -470,6 +473,7 @@ class ScheduledAllReduce:
         """
         if not self._started:
             self._started = True
+        self._step_ended()
         self._mark_all()
         try:
             if self.single_thread:
@@ -483,17 +487,24 @@ class ScheduledAllReduce:
             if error is not None:
                 raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
             self._average()
-            if self._measure_backward:
-                self._measure_backward = False
-                self._resimulate()
         finally:
             self._reset()
+        self.measure_rates()
 
-    def _resimulate(self) -> None:
-        """The first reduced step's backward rate (slowest rank; collective on every rank,
-        after every piece completed) and the start-up link rate into the static list."""
-        span = self._backward_span
-        seconds = span[1] - span[0] if len(span) == 2 else None
+    def _step_ended(self) -> None:
+        # at finish()/defer(): a point every rank reaches, hooks fired here or not
+        self._last_backward_s = self._backward_s
+
+    def measure_rates(self) -> None:
+        """After the first reduced step: its backward rate (the slowest rank's) and the
+        start-up link rate into the static list; nothing later or when both rates were
+        configured. Collective the first time: every rank calls it at the same point,
+        with no step in flight (:meth:`finish` does; a deferred step's caller after
+        :meth:`drain`)."""
+        if not self._measure_backward or self._last_backward_s is False:
+            return
+        self._measure_backward = False
+        seconds = self._last_backward_s
         grad_bytes = sum(t.nbytes for t in self.schedule.tensors)
         compute = rates.backward_bytes_per_s(grad_bytes, seconds, self.group)
         self.schedule.resimulate(compute, self._link_rate)
@@ -531,6 +542,7 @@ class ScheduledAllReduce:
         Every rank calls it where it would call :meth:`finish`."""
         if not self._started:
             self._started = True
+        self._step_ended()
         self._mark_all()
         self._deferred = True
         if self.single_thread:
@@ -584,8 +596,5 @@ class ScheduledAllReduce:
                 raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
             if missing:
                 raise RuntimeError(f"drain() before wait_bucket() of buckets {missing}")
-            if self._measure_backward:
-                self._measure_backward = False
-                self._resimulate()
         finally:
             self._reset()

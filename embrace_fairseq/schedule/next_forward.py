@@ -19,8 +19,9 @@ Which module reads which parameter: each element of an ``nn.ModuleList`` (a mode
 layers) is taken to read only the parameters in its own subtree in its forward, as
 fairseq's, Megatron's and Hugging Face's layers do; every other parameter (positional
 embeddings, final layer norms, output layers) is completed before the model's forward
-starts. :meth:`NextForwardUpdates.flush` completes everything (before the next backward,
-a checkpoint, an evaluation outside the training loop).
+starts. :meth:`NextForwardUpdates.flush` completes everything (every rank, before the next
+backward); :meth:`NextForwardUpdates.complete` does it on one rank alone (a checkpoint
+writer reading the weights).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class NextForwardUpdates:
 
     def begin(self, update: Update) -> None:
         """The step: leave the dense all-reduce running; ``update`` applies each bucket later."""
-        self.flush()
+        self.complete()  # nothing is left here when flush() ran before the backward
         self.reducer.defer()
         self._update = update
         self._pending = {b.index for b in self.reducer.schedule.buckets}
@@ -123,10 +124,18 @@ class NextForwardUpdates:
         self.updated_in_forward += int(in_forward)
         self.tracer.instant("next_forward_update", bucket=b, in_forward=in_forward)
 
-    def flush(self) -> None:
-        """Complete every pending update now (most urgent first) and the communication."""
+    def complete(self) -> None:
+        """Complete every pending update now (most urgent first) and wait for the
+        communication. Local: any rank may call it on its own (a checkpoint writer)."""
         if self._pending:
             prio = {b.index: (b.priority, b.index) for b in self.reducer.schedule.buckets}
             for b in sorted(self._pending, key=prio.__getitem__):
                 self._apply(b, in_forward=False)
         self.reducer.drain()
+
+    def flush(self) -> None:
+        """:meth:`complete`, then what the reducer does once after its first step (the
+        rates of its static list). Collective: every rank at the same point, as before
+        a backward."""
+        self.complete()
+        self.reducer.measure_rates()
