@@ -217,7 +217,7 @@ def _goal(result: Dict[str, Any]) -> List[str]:
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
     L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _ablation(result) + _goal(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
-             "difference of the per-step loss from legacy_ddp's on the same batches (all strategies are the same "
+             "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "
              "ledger for (d)/(e) and from the collectives the stock paths issue; 'wire' = tx_bytes of the rank's "
              "veth (headers included).")

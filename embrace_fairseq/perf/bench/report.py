@@ -242,7 +242,9 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
                 runs.append(_run_record(name, per_rank, model, world, link,
                                         _min_bytes(name, world, prof, ids, tied, meta, tokens)))
                 losses[name] = per_rank[0]["loss"]
-            ref = losses.get(REFERENCE) or next(iter(losses.values()))
+            # the reference trains synchronously: never the floor, whose ranks train apart
+            synchronous = [l for n, l in losses.items() if n != FLOOR] or list(losses.values())
+            ref = losses.get(REFERENCE) or synchronous[0]
             consistency[run_key(model, world, link)] = {
                 n: max(abs(x - y) / max(1e-12, abs(y)) for x, y in zip(l, ref)) for n, l in losses.items()}
     for pm in profiles.values():
