@@ -26,6 +26,9 @@ class EmbraceConfig:
     """Switches and sizes of the EmbRace DeepSpeed hook (all optional in the JSON).
 
     model_level: order dense collectives by layer, input-near first (off: readiness order).
+    exchange_gate: with the model level, hold new dense pieces back while an embedding
+        gradient exchange is in flight, so that it goes first (off: pieces go out whenever
+        ready; for machines where the exchange mostly waits for other ranks).
     tensor_level: cut buckets into pieces of ``piece_bytes`` (off: whole buckets).
     overlap: issue the all-reduces during backward (off: after backward, like stock DeepSpeed).
     piece_bytes: largest collective the tensor level issues.
@@ -72,9 +75,10 @@ class EmbraceConfig:
     output: str = "auto"
     shard_layout: Optional[str] = None
     next_forward: bool = False
+    exchange_gate: bool = True
 
 
-_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward"}
+_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate"}
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
 _POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 

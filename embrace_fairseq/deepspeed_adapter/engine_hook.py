@@ -136,7 +136,8 @@ class EmbraceEngineHook:
         # its own group, created and warmed up now (all ranks, same order)
         group = collectives.new_group()
         # model level: the embedding exchange goes before any dense piece not yet issued
-        self.gate = ExchangeGate() if self.config.model_level and self.config.overlap else None
+        on = self.config.model_level and self.config.overlap and self.config.exchange_gate
+        self.gate = ExchangeGate() if on else None
         self.reducer = ScheduledAllReduce(
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
             active=self._reducing_backward, tracer=self.tracer, gate=self.gate)

@@ -179,6 +179,15 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_nogate", label="(e-g) EmbRace, 2D schedule without the exchange gate", short="EmbRace no gate",
+    aliases=("nogate",),
+    description="(e) with dense pieces issued whenever ready, also while an embedding gradient exchange is in "
+                "flight (the gate's ablation; simulator cost: (e)'s)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_nogate"), shards_table=True,
+)
+
+register_strategy(
     "embrace_next_forward", label="(e+) EmbRace, 2D schedule + next-forward overlap", short="EmbRace next-forward",
     aliases=("next_forward",),
     description="(e) with cross-iteration overlap: the step does not wait for the dense all-reduce; each layer "

@@ -116,6 +116,8 @@ def test_trace_shows_overlap(trace_root):
         ({"link_bytes_per_s": 0}, '"embrace.link_bytes_per_s"'),
         ({"compute_bytes_per_s": "fast"}, '"embrace.compute_bytes_per_s"'),
         ({"link_bytes_per_s": True}, '"embrace.link_bytes_per_s"'),
+        ({"exchange_gate": 1}, '"embrace.exchange_gate"'),
+        ({"next_forward": "yes"}, '"embrace.next_forward"'),
         ([], '"embrace" must be a JSON object'),
     ],
 )

@@ -296,6 +296,11 @@ def build_embrace_next_forward(name: str, w: W.Workload, task: Any, data, counte
     return _embrace(name, w, task, data, {"next_forward": True}, trace_prefix)
 
 
+def build_embrace_nogate(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                         trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"exchange_gate": False}, trace_prefix)
+
+
 def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                              trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, True, trace_prefix, shard_layout="contiguous")
