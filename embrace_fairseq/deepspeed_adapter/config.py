@@ -26,6 +26,9 @@ class EmbraceConfig:
     """Switches and sizes of the EmbRace DeepSpeed hook (all optional in the JSON).
 
     model_level: order dense collectives by layer, input-near first (off: readiness order).
+    live_queue: on gloo, issue dense pieces from a priority queue over the buckets ready
+        on every rank (agreed before each issue) instead of the static list
+        (:mod:`embrace_fairseq.schedule.executor`).
     exchange_gate: with the model level, hold new dense pieces back while an embedding
         gradient exchange is in flight, so that it goes first (off: pieces go out whenever
         ready; for machines where the exchange mostly waits for other ranks).
@@ -76,9 +79,10 @@ class EmbraceConfig:
     shard_layout: Optional[str] = None
     next_forward: bool = False
     exchange_gate: bool = True
+    live_queue: bool = False
 
 
-_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate"}
+_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue"}
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
 _POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 

@@ -140,7 +140,7 @@ class EmbraceEngineHook:
         self.gate = ExchangeGate() if on else None
         self.reducer = ScheduledAllReduce(
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
-            active=self._reducing_backward, tracer=self.tracer, gate=self.gate)
+            active=self._reducing_backward, tracer=self.tracer, gate=self.gate, live_queue=self.config.live_queue)
         self.engine.enable_backward_allreduce = False
 
     def _next_forward_blocker(self) -> Optional[str]:

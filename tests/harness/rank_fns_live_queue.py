@@ -64,7 +64,7 @@ def _reduce(rank: int, world: int, *, sequential: bool, sleeps: List[float], ove
     schedule = build_schedule(specs, opts)
     tracer = Tracer(rank=rank)
     red = ScheduledAllReduce(params, schedule, collectives.new_group(), overlap=overlap, tracer=tracer,
-                             single_thread=False)
+                             single_thread=False, live_queue=True)
     x = torch.randn(16, DIM, generator=torch.Generator().manual_seed(100 + rank))
     ready: List[int] = []
     for i, p in enumerate(params):
