@@ -41,12 +41,6 @@ def _steps(events):
 # default run: ~20 s on 2 loaded cores (one DeepSpeed start-up per rank, two engines)
 def test_tied_translation_gate_opens_for_the_encoder(tmp_path):
     results = run_ranks(R.gate_run, 2, str(tmp_path / "gate"), timeout_s=300, pg_timeout_s=120)
-    # a piece goes out once every rank has its gradients (the live queue's agreement), so
-    # "during backward" is judged against the last rank's backward: the ranks' trace
-    # clocks are one (perf_counter is the machine's monotonic clock)
-    last_ready = {variant: [max(ready) for ready in zip(*[[r for r, _ in _steps(res[variant]["events"])]
-                                                           for res in results])]
-                  for variant in results[0]}
     for rank, by_variant in enumerate(results):
         for variant, res in by_variant.items():
             where = (rank, variant)
@@ -58,13 +52,11 @@ def test_tied_translation_gate_opens_for_the_encoder(tmp_path):
             assert encoder, res["buckets"]
             steps = _steps(res["events"])
             assert len(steps) == R.STEPS
-            early = [sum(1 for ts, b in pieces if b in encoder and ts < ready)
-                     for ready, (_, pieces) in zip(last_ready[variant], steps)]
-            # the encoder's pieces start while the backward runs, before the last rank's
-            # last gradient is ready (not in every step: each issue waits for an agreement
-            # round of every rank's communication thread, which a loaded machine may not
-            # schedule within a step of this tiny model's ~20 ms backward)
-            assert any(k > 0 for k in early), (where, early)
+            early = [sum(1 for ts, b in pieces if b in encoder and ts < ready) for ready, pieces in steps]
+            # the encoder's pieces start while its backward runs, before the last gradient
+            # is ready (most steps, not all: on a loaded machine the communication thread
+            # may miss a step's window)
+            assert sum(1 for k in early if k > 0) * 2 >= len(early), (where, early)
             # and never while an exchange is in flight
             exch = [(e["ts"], e["ts"] + e["dur"]) for e in res["events"] if e["name"] == "grad_rows"]
             assert len(exch) == n * R.STEPS, where
