@@ -378,8 +378,7 @@ class ScheduledAllReduce:
         if piece.bucket not in self._flattened:
             self._flatten(piece.bucket)
             self._flattened.add(piece.bucket)
-        while len(self._inflight) >= self.schedule.options.max_in_flight:
-            self._complete(self._inflight.pop(0))
+        self._wait_credit()
 
     def _launch(self, piece) -> None:
         view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)

@@ -57,8 +57,13 @@ def layer_buckets(module: torch.nn.Module, reducer: ScheduledAllReduce) -> Dict[
     rest = sorted({b for i, b in bucket_of.items() if i not in covered})
     if rest:
         hooks = {module: rest, **hooks}
+    return {m: sorted(bs, key=_urgency(reducer)) for m, bs in hooks.items()}
+
+
+def _urgency(reducer: ScheduledAllReduce) -> Callable[[int], tuple]:
+    """Sort key of bucket indices: the model level's priority (input-near first)."""
     prio = {b.index: (b.priority, b.index) for b in reducer.schedule.buckets}
-    return {m: sorted(bs, key=prio.__getitem__) for m, bs in hooks.items()}
+    return prio.__getitem__
 
 
 class NextForwardUpdates:
@@ -128,8 +133,7 @@ class NextForwardUpdates:
         """Complete every pending update now (most urgent first) and wait for the
         communication. Local: any rank may call it on its own (a checkpoint writer)."""
         if self._pending:
-            prio = {b.index: (b.priority, b.index) for b in self.reducer.schedule.buckets}
-            for b in sorted(self._pending, key=prio.__getitem__):
+            for b in sorted(self._pending, key=_urgency(self.reducer)):
                 self._apply(b, in_forward=False)
         self.reducer.drain()
 
