@@ -21,11 +21,17 @@ from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core import native_ops
 from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message
 from embrace_fairseq.core.ledger import CommLedger, ledgers_for, off_rank, record_all
+from embrace_fairseq.core.node_topology import NodeTopology
 from embrace_fairseq.core.shard_plan import ShardPlan
 
 # Ids travel as int32 when the vocab fits: half the bytes of int64.
 _INT32_LIMIT = 2**31 - 1
 _HEADER_FIELDS = 3  # (count, has_bad_id, first_bad_id)
+
+
+def wire_dtype(num_embeddings: int) -> torch.dtype:
+    """The dtype ids travel in: int32 when the vocabulary fits (half the bytes of int64)."""
+    return torch.int32 if num_embeddings <= _INT32_LIMIT else torch.long
 
 
 @dataclass
@@ -47,6 +53,12 @@ class ExchangePlan:
     # the table's gradient-exchange scope (ShardedEmbedding.set_grad_exchange_scope): the
     # backward runs its exchange inside ``grad_scope()``, once per exchange
     grad_scope: Optional[Callable[[], ContextManager[None]]] = None
+    # the job's nodes, when the table spans the whole job: says which bytes leave the node
+    topology: Optional[NodeTopology] = None
+
+    def off_node(self, counts: List[int]) -> Optional[int]:
+        """How many of ``counts`` (one per rank) leave this rank's node (None: unknown)."""
+        return None if self.topology is None else self.topology.off_node(counts, self.rank)
 
 
 def plan_exchange(
@@ -55,10 +67,13 @@ def plan_exchange(
     group: Optional["dist.ProcessGroup"],
     rank: int,
     ledger: Optional[CommLedger] = None,
+    topology: Optional[NodeTopology] = None,
 ) -> ExchangePlan:
     """Dedup and bucket the ids, then AlltoAll the header and the ids.
 
     Collective: every rank of ``group`` must call it, also with an empty batch.
+    ``topology``: the job's nodes when ``group`` is the whole job (for the ledger's
+    inter-node bytes; the route is the same).
     Raises :class:`InvalidIdError` on every rank if any rank holds an invalid id.
     """
     if flat_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -89,7 +104,8 @@ def plan_exchange(
     recv_header = torch.empty_like(header)
     collectives.all_to_all_single(recv_header, header, group=group)
     header_bytes = (world - 1) * _HEADER_FIELDS * header.element_size()
-    record_all(ledgers, K.COUNTS, header_bytes, header_bytes)
+    inter = None if topology is None else topology.off_node([_HEADER_FIELDS * header.element_size()] * world, rank)
+    record_all(ledgers, K.COUNTS, header_bytes, header_bytes, inter)
 
     flagged = recv_header[:, 1].nonzero().flatten().tolist()
     if flagged:
@@ -100,12 +116,13 @@ def plan_exchange(
         )
     recv_counts = recv_header[:, 0].tolist()
 
-    wire = torch.int32 if plan.num_embeddings <= _INT32_LIMIT else torch.long
+    wire = wire_dtype(plan.num_embeddings)
     send_ids = unique_ids.to(wire)
     recv_ids = torch.empty(sum(recv_counts), dtype=wire, device=device)
     collectives.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group)
     esize = send_ids.element_size()
-    record_all(ledgers, K.IDS, off_rank(send_counts, rank) * esize, off_rank(recv_counts, rank) * esize)
+    record_all(ledgers, K.IDS, off_rank(send_counts, rank) * esize, off_rank(recv_counts, rank) * esize,
+               None if topology is None else topology.off_node(send_counts, rank) * esize)
 
     start, _ = plan.shard_range(rank)
     return ExchangePlan(
@@ -118,4 +135,5 @@ def plan_exchange(
         recv_counts=recv_counts,
         requested_local=recv_ids.long() - start,
         ledgers=ledgers,
+        topology=topology,
     )

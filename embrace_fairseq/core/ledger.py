@@ -3,6 +3,10 @@
 Benchmarks report volume from what was actually sent, not from formulas, so each
 exchange records its bytes here. Bytes that stay on the rank (the part of an
 AlltoAll a rank sends to itself) are not counted: they never cross a link.
+
+``inter_node`` holds the part of ``sent`` that leaves the rank's node. A collective that
+does not say (``inter_node=None``) counts all it sends: one rank per node, the case of a
+job that knows nothing of its nodes. The exchanges, which know their topology, say.
 """
 from __future__ import annotations
 
@@ -32,19 +36,22 @@ class CommLedger:
     sent: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    inter_node: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, kind: str, sent: int, received: int) -> None:
+    def record(self, kind: str, sent: int, received: int, inter_node: Optional[int] = None) -> None:
         with self._lock:
             self.sent[kind] += int(sent)
             self.received[kind] += int(received)
             self.calls[kind] += 1
+            self.inter_node[kind] += int(sent if inter_node is None else inter_node)
 
     def reset(self) -> None:
         with self._lock:
             self.sent.clear()
             self.received.clear()
             self.calls.clear()
+            self.inter_node.clear()
 
     def total_sent(self, kinds: Optional[Iterable[str]] = None) -> int:
         keys = self.sent.keys() if kinds is None else kinds
@@ -61,6 +68,7 @@ class CommLedger:
                 "sent": dict(self.sent),
                 "received": dict(self.received),
                 "calls": dict(self.calls),
+                "inter_node": dict(self.inter_node),
             }
 
 
@@ -78,10 +86,12 @@ def ledgers_for(ledger: Optional[CommLedger]) -> List[CommLedger]:
     return [g] if ledger is None or ledger is g else [g, ledger]
 
 
-def record_all(ledgers: List[CommLedger], kind: str, sent: int, received: int) -> None:
-    """Record one collective's bytes in every ledger of ``ledgers``."""
+def record_all(ledgers: List[CommLedger], kind: str, sent: int, received: int,
+               inter_node: Optional[int] = None) -> None:
+    """Record one collective's bytes in every ledger of ``ledgers`` (``inter_node``: the
+    part of ``sent`` that leaves the node; ``None``: all of it)."""
     for ledger in ledgers:
-        ledger.record(kind, sent, received)
+        ledger.record(kind, sent, received, inter_node)
 
 
 def off_rank(counts: List[int], rank: int) -> int:

@@ -8,7 +8,7 @@ data-parallel average convention.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -17,6 +17,7 @@ from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core import native_ops
 from embrace_fairseq.core.input_dist import ExchangePlan
 from embrace_fairseq.core.ledger import off_rank, record_all
+from embrace_fairseq.core.node_exchange import NodeExchangePlan
 
 
 def _exchange_rows(rows: torch.Tensor, out_counts: List[int], in_counts: List[int], xp: ExchangePlan,
@@ -27,7 +28,9 @@ def _exchange_rows(rows: torch.Tensor, out_counts: List[int], in_counts: List[in
     received = rows.new_empty(sum(in_counts), rows.shape[1])
     collectives.all_to_all_single(received, rows, in_counts, out_counts, xp.group)
     row_bytes = rows.shape[1] * rows.element_size()
-    record_all(xp.ledgers, kind, off_rank(out_counts, xp.rank) * row_bytes, off_rank(in_counts, xp.rank) * row_bytes)
+    off_node = xp.off_node(out_counts)
+    record_all(xp.ledgers, kind, off_rank(out_counts, xp.rank) * row_bytes, off_rank(in_counts, xp.rank) * row_bytes,
+               None if off_node is None else off_node * row_bytes)
     return received
 
 
@@ -56,12 +59,16 @@ def push_grad_rows(
 
 
 class ShardedLookup(torch.autograd.Function):
-    """Autograd node: shard -> rows of the unique ids (exchange in, grad rows out)."""
+    """Autograd node: shard -> rows of the unique ids (exchange in, grad rows out), over
+    the flat exchange or the node-aware one (:mod:`~embrace_fairseq.core.node_exchange`)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, xp: ExchangePlan, scale: float, padding_local: Optional[int]):  # type: ignore[override]
+    def forward(ctx, shard: torch.Tensor, xp: Union[ExchangePlan, NodeExchangePlan], scale: float,  # type: ignore[override]
+                padding_local: Optional[int]):
         ctx.xp, ctx.scale, ctx.padding_local = xp, scale, padding_local
         ctx.shard_rows = shard.shape[0]
+        if isinstance(xp, NodeExchangePlan):
+            return xp.fetch_rows(shard.detach())
         return fetch_rows(shard.detach(), xp)
 
     @staticmethod
@@ -69,7 +76,9 @@ class ShardedLookup(torch.autograd.Function):
         # one backward, one exchange: whoever waits for it (a schedule's gate) sees it
         # begin and end here exactly once, however many outputs the lookup served
         with ctx.xp.grad_scope() if ctx.xp.grad_scope is not None else contextlib.nullcontext():
-            if ctx.xp.relaxed is not None:
+            if isinstance(ctx.xp, NodeExchangePlan):
+                grad = ctx.xp.push_grad_rows(grad_unique, ctx.shard_rows, ctx.scale, ctx.padding_local)
+            elif ctx.xp.relaxed is not None:
                 grad = ctx.xp.relaxed.push_grad_rows(ctx.xp.table, grad_unique, ctx.xp, ctx.shard_rows, ctx.scale,
                                                      ctx.padding_local)
             else:

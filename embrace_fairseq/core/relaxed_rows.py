@@ -248,6 +248,7 @@ class _Sub:
 
     def __init__(self, xp: Any, send_mask: torch.Tensor, recv_mask: torch.Tensor) -> None:
         self.plan, self.group, self.rank, self.ledgers = xp.plan, xp.group, xp.rank, xp.ledgers
+        self.off_node = xp.off_node
         self.send_counts = _counts_by_segment(send_mask, xp.send_counts)
         self.recv_counts = _counts_by_segment(recv_mask, xp.recv_counts)
         self.requested_local = xp.requested_local[recv_mask]

@@ -30,6 +30,8 @@ from embrace_fairseq.core.ledger import CommLedger
 
 from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message, validate_ids
 from embrace_fairseq.core.input_dist import plan_exchange
+from embrace_fairseq.core.node_exchange import plan_node_exchange
+from embrace_fairseq.core.node_topology import NodeTopology, check_exchange, node_groups, topology_for
 from embrace_fairseq.core.ledger import ledgers_for
 from embrace_fairseq.core.output_dist import ShardedLookup
 from embrace_fairseq.core.table_dist import (
@@ -99,6 +101,15 @@ class ShardedEmbedding(nn.Module):
             frequency-sorted vocabulary) or ``"contiguous"`` (one id range per rank).
             Full tables (``full_weight``, ``state_dict``, checkpoints) are in vocabulary
             order whatever the layout.
+        exchange: the route of lookups, one of ``node_topology.EXCHANGES``: ``"auto"``
+            (default: node-aware when the job has several nodes of several ranks each, see
+            :mod:`~embrace_fairseq.core.node_exchange`), ``"node"`` (the same: on one
+            node, or with one rank per node, it is the flat exchange) or ``"flat"`` (every
+            rank asks every owner directly). Same rows and gradients either way. Tables
+            over a subgroup, and lookups under the relaxed dependency, are flat.
+            Collective at construction unless ``"flat"`` (the ranks agree on the nodes).
+        ranks_per_node: ranks on each node; ``None`` reads ``EMBRACE_RANKS_PER_NODE``,
+            then the launcher's ``LOCAL_WORLD_SIZE`` (one node when neither is set).
     """
 
     relaxed = None  # RelaxedRows or None
@@ -117,6 +128,8 @@ class ShardedEmbedding(nn.Module):
         overlap_table: bool = False,
         force_exchange: Optional[bool] = None,
         layout: str = DEFAULT_LAYOUT,
+        exchange: str = "auto",
+        ranks_per_node: Optional[int] = None,
     ) -> None:
         super().__init__()
         if padding_idx is not None:
@@ -135,6 +148,14 @@ class ShardedEmbedding(nn.Module):
             check_same_plan(self.plan, embedding_dim, padding_idx, self.group)
         self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
         self.ledger = ledger
+        self.exchange = check_exchange(exchange)
+        # the job's nodes (for the ledger's inter-node bytes, and the node-aware route)
+        self.topology: Optional[NodeTopology] = None
+        self._node_groups = None
+        if self.is_sharded and (collectives.world_size(), collectives.rank()) == (self.world_size, self.rank):
+            self.topology = topology_for(self.world_size, ranks_per_node)
+            if self.exchange != "flat":
+                self._node_groups = node_groups(self.topology)  # collective; None on one node
         full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
         self.weight = nn.Parameter(self.plan.shard_rows(full, self.rank).clone().to(device))
         setattr(self.weight, SHARDED_ATTR, True)
@@ -183,7 +204,13 @@ class ShardedEmbedding(nn.Module):
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
-        return s + f", shard={self.shard_range}, world_size={self.world_size}, layout={self.layout}"
+        s += f", shard={self.shard_range}, world_size={self.world_size}, layout={self.layout}"
+        return s + (", exchange=node" if self.node_aware else "")
+
+    @property
+    def node_aware(self) -> bool:
+        """Whether lookups take the node-aware route (:mod:`~embrace_fairseq.core.node_exchange`)."""
+        return self._node_groups is not None
 
     # ------------------------------------------------------------------ lookups
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +233,10 @@ class ShardedEmbedding(nn.Module):
         if not self.is_sharded:
             return [self._local_lookup(ids, self.weight) for ids in ids_list]
         flat = torch.cat([ids.reshape(-1) for ids in ids_list]) if len(ids_list) > 1 else ids_list[0].reshape(-1)
-        xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger)
+        if self._node_groups is not None and self.relaxed is None:
+            xp = plan_node_exchange(flat, self.plan, self._node_groups, self.ledger)
+        else:
+            xp = plan_exchange(flat, self.plan, self.group, self.rank, self.ledger, self.topology)
         if self.relaxed is not None:
             self.relaxed.before_lookup(self, xp.requested_local)
             xp.relaxed, xp.table = self.relaxed, self

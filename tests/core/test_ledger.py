@@ -13,13 +13,13 @@ def test_record_totals_snapshot_reset():
     led = CommLedger()
     led.record(K.IDS, 8, 4)
     led.record(K.IDS, 2, 6)
-    led.record(K.ROWS, 100, 0)
+    led.record(K.ROWS, 100, 0, inter_node=40)
     assert led.snapshot() == {"sent": {"ids": 10, "rows": 100}, "received": {"ids": 10, "rows": 0},
-                              "calls": {"ids": 2, "rows": 1}}
+                              "calls": {"ids": 2, "rows": 1}, "inter_node": {"ids": 10, "rows": 40}}
     assert led.total_sent() == 110 and led.total_sent([K.ROWS, K.COUNTS]) == 100
     assert led.total_received([K.IDS]) == 10
     led.reset()
-    assert led.snapshot() == {"sent": {}, "received": {}, "calls": {}}
+    assert led.snapshot() == {"sent": {}, "received": {}, "calls": {}, "inter_node": {}}
 
 
 def test_record_is_thread_safe():

@@ -1,0 +1,72 @@
+"""The node-aware exchange (ids deduplicated per node, rows fanned out inside it) against
+the flat exchange, in real gloo ranks on emulated 2 x 2 and 2 x 3 layouts: the same rows
+bit for bit, the same gradients and SGD steps up to summation order, less inter-node
+traffic; on one node (or one rank per node) it is the flat exchange."""
+import pytest
+
+import rank_fns_node_exchange as fns
+from embrace_fairseq.core.node_topology import NodeTopology, topology_for
+from embrace_fairseq.tools.local_ranks import run_ranks
+
+CASES = ["random", "padding", "repeats", "empty_rank", "hot"]
+TOL = 1e-6
+ROW_KINDS = ("rows", "grad_rows")
+
+
+def _inter(results, route, kinds):
+    return sum(r[case]["ledgers"][route]["inter_node"].get(k, 0) for r in results for case in ["hot"] for k in kinds)
+
+
+@pytest.mark.parametrize("world,ranks_per_node,layout", [
+    (4, 2, "strided"), (6, 3, "strided"), pytest.param(6, 3, "contiguous", marks=pytest.mark.slow)])
+def test_node_route_equals_flat(world, ranks_per_node, layout):
+    vocab, dim = 23, 4  # 23 rows: divisible by no world size here
+    results = run_ranks(fns.flat_vs_node, world, ranks_per_node, vocab, dim, CASES, layout)
+    for rank, per_case in enumerate(results):
+        for case, r in per_case.items():
+            where = f"world={world} rank={rank} case={case}"
+            assert r["node_aware"] == (False, True), where
+            assert r["rows_equal"] and r["rows_diff"] < TOL, (where, r["rows_diff"])
+            assert r["grad_diff"] < TOL and r["weight_diff"] < TOL, (where, r["grad_diff"], r["weight_diff"])
+            for route in ("flat", "node"):  # both ledgers counted the exchange's rows
+                assert r["ledgers"][route]["sent"].get("rows", 0) >= r["ledgers"][route]["inter_node"].get("rows", 0)
+    # every rank asks the same ids: each off-node row crosses once per node instead of once per rank
+    flat, node = _inter(results, "flat", ROW_KINDS), _inter(results, "node", ROW_KINDS)
+    assert flat > 0 and node * ranks_per_node == flat, (flat, node)
+    # on random batches the node route never sends more rows across nodes
+    for case in ("random", "repeats"):
+        f = sum(r[case]["ledgers"]["flat"]["inter_node"].get(k, 0) for r in results for k in ROW_KINDS)
+        n = sum(r[case]["ledgers"]["node"]["inter_node"].get(k, 0) for r in results for k in ROW_KINDS)
+        assert n <= f, (case, n, f)
+
+
+@pytest.mark.parametrize("world,ranks_per_node", [(3, 3), pytest.param(3, 1, marks=pytest.mark.slow)])
+def test_one_node_or_one_rank_per_node_is_the_flat_exchange(world, ranks_per_node):
+    results = run_ranks(fns.flat_vs_node, world, ranks_per_node, 10, 3, ["random"])
+    for r in results:
+        c = r["random"]
+        assert c["node_aware"] == (False, False)
+        assert c["rows_equal"] and c["rows_diff"] == 0.0 and c["grad_diff"] == 0.0 and c["weight_diff"] == 0.0
+        assert c["ledgers"]["flat"] == c["ledgers"]["node"]
+
+
+def test_bad_input_stops_every_rank_of_every_node():
+    """Ranks that disagree on the nodes all stop at construction; an invalid id on one
+    rank stops every rank of both nodes, naming the id and the rank."""
+    results = run_ranks(fns.bad_inputs, 4, 2, 3, timeout_s=120)
+    assert all(d is not None and "ranks per node" in d for d, _ in results), results
+    assert all(m is not None and "99" in m and "rank 3" in m for _, m in results), results
+
+
+def test_topology_from_the_launcher(monkeypatch):
+    monkeypatch.delenv("EMBRACE_RANKS_PER_NODE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert topology_for(8) == NodeTopology(8, 2) and topology_for(8).is_hierarchical
+    monkeypatch.setenv("EMBRACE_RANKS_PER_NODE", "4")
+    assert topology_for(8).ranks_per_node == 4
+    assert topology_for(8, ranks_per_node=8).num_nodes == 1
+    monkeypatch.delenv("EMBRACE_RANKS_PER_NODE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert topology_for(8) == NodeTopology(8, 8)
+    with pytest.raises(ValueError, match="do not fill nodes"):
+        NodeTopology(6, 4)

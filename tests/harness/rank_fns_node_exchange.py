@@ -1,0 +1,83 @@
+"""Per-rank bodies of the node-aware exchange tests (spawned in real gloo ranks; the
+nodes are emulated by ``ranks_per_node``: the routes and groups are the real ones)."""
+import torch
+
+from embrace_fairseq import CommLedger, InvalidIdError, ShardedEmbedding
+
+from rank_fns_embedding import _batch
+
+
+def _ids(case, rank, world, vocab):
+    if case == "hot":
+        # every rank asks the same ids: the node-aware route sends each off-node row once per node
+        return torch.arange(vocab).repeat(2)
+    return _batch(case, rank, world, vocab)
+
+
+def flat_vs_node(rank, world, ranks_per_node, vocab, dim, cases, layout="strided"):
+    """Rows, shard gradients and SGD-updated shards of the two routes; the ledgers' bytes."""
+    out = {}
+    for case in cases:
+        padding_idx = 1 if case == "padding" else None
+        per_route = {}
+        for route in ("flat", "node"):
+            torch.manual_seed(11)
+            ledger = CommLedger()
+            emb = ShardedEmbedding(vocab, dim, padding_idx=padding_idx, ledger=ledger, layout=layout,
+                                   exchange=route, ranks_per_node=ranks_per_node)
+            opt = torch.optim.SGD(emb.parameters(), lr=0.3)
+            rows = []
+            for step in range(2):
+                ids = _ids(case, rank + 10 * step, world, vocab)
+                coef = torch.randn(*ids.shape, dim, generator=torch.Generator().manual_seed(100 * step + rank))
+                y = emb(ids)
+                rows.append(y.detach().clone())
+                opt.zero_grad()
+                (y * coef).sum().backward()
+                grad = emb.weight.grad.clone()
+                opt.step()
+            per_route[route] = {
+                "node_aware": emb.node_aware,
+                "rows": rows,
+                "grad": grad,
+                "weight": emb.weight.detach().clone(),
+                "ledger": ledger.snapshot(),
+            }
+        f, n = per_route["flat"], per_route["node"]
+        out[case] = {
+            "node_aware": (f["node_aware"], n["node_aware"]),
+            # the first step's rows bit for bit; the second reads weights stepped with
+            # gradients summed in another order
+            "rows_equal": torch.equal(f["rows"][0], n["rows"][0]),
+            "rows_diff": (f["rows"][1] - n["rows"][1]).abs().max().item() if f["rows"][1].numel() else 0.0,
+            "grad_diff": (f["grad"] - n["grad"]).abs().max().item() if f["grad"].numel() else 0.0,
+            "weight_diff": (f["weight"] - n["weight"]).abs().max().item() if f["weight"].numel() else 0.0,
+            "ledgers": {"flat": f["ledger"], "node": n["ledger"]},
+        }
+    return out
+
+
+def bad_inputs(rank, world, ranks_per_node, bad_rank):
+    """Both bad inputs in one job: ranks that disagree on the nodes, then an invalid id."""
+    return disagreeing_topology(rank, world), invalid_id(rank, world, ranks_per_node, bad_rank)
+
+
+def invalid_id(rank, world, ranks_per_node, bad_rank):
+    emb = ShardedEmbedding(9, 2, exchange="node", ranks_per_node=ranks_per_node)
+    ids = torch.tensor([1, 2, 3])
+    if rank == bad_rank:
+        ids = torch.tensor([1, 99, 3])
+    try:
+        emb(ids)
+    except InvalidIdError as e:
+        return str(e)
+    return None
+
+
+def disagreeing_topology(rank, world):
+    # rank 0 thinks nodes hold 2 ranks, the others 4: every rank must stop, none may hang
+    try:
+        ShardedEmbedding(8, 2, exchange="auto", ranks_per_node=2 if rank == 0 else 4)
+    except RuntimeError as e:
+        return str(e)
+    return None
