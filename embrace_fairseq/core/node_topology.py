@@ -123,11 +123,14 @@ _GROUPS: Dict[Tuple[int, NodeTopology], Tuple[Any, Optional[NodeGroups]]] = {}
 
 
 def _launcher_disagrees(topology: NodeTopology, rank: int) -> bool:
-    """The launcher's ``LOCAL_RANK`` (when set) is not where ``topology`` puts ``rank``."""
-    local = os.environ.get("LOCAL_RANK", "").strip()
-    if not local or os.environ.get(RANKS_PER_NODE_ENV, "").strip():
-        return False  # no launcher numbering, or nodes emulated on purpose
-    return local.isdigit() and int(local) != topology.local_of(rank)
+    """The launcher's nodes are ``topology``'s (``LOCAL_WORLD_SIZE`` ranks per node) but
+    its ``LOCAL_RANK`` is not where ``topology`` puts ``rank``. Nodes given otherwise
+    (``EMBRACE_RANKS_PER_NODE``, ``--embrace-ranks-per-node``: emulated or described by
+    hand) are taken as given."""
+    local, size = os.environ.get("LOCAL_RANK", "").strip(), os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not (local.isdigit() and size.isdigit()) or int(size) != topology.ranks_per_node:
+        return False
+    return int(local) != topology.local_of(rank)
 
 
 def node_groups(topology: NodeTopology) -> Optional[NodeGroups]:

@@ -148,14 +148,7 @@ class ShardedEmbedding(nn.Module):
             check_same_plan(self.plan, embedding_dim, padding_idx, self.group)
         self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
         self.ledger = ledger
-        self.exchange = check_exchange(exchange)
-        # the job's nodes (for the ledger's inter-node bytes, and the node-aware route)
-        self.topology: Optional[NodeTopology] = None
-        self._node_groups = None
-        if self.is_sharded and (collectives.world_size(), collectives.rank()) == (self.world_size, self.rank):
-            self.topology = topology_for(self.world_size, ranks_per_node)
-            if self.exchange != "flat":
-                self._node_groups = node_groups(self.topology)  # collective; None on one node
+        self.set_exchange(exchange, ranks_per_node)
         full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
         self.weight = nn.Parameter(self.plan.shard_rows(full, self.rank).clone().to(device))
         setattr(self.weight, SHARDED_ATTR, True)
@@ -255,6 +248,18 @@ class ShardedEmbedding(nn.Module):
         if bad is not None:
             raise InvalidIdError(invalid_id_message(bad, self.num_embeddings, self.rank))
         return F.embedding(ids, table, self.padding_idx)
+
+    def set_exchange(self, exchange: str, ranks_per_node: Optional[int] = None) -> None:
+        """Choose the route of later lookups (see the ``exchange`` argument). Collective
+        unless ``"flat"``: every rank calls it, in the same order, between steps."""
+        self.exchange = check_exchange(exchange)
+        # the job's nodes (for the ledger's inter-node bytes, and the node-aware route)
+        self.topology: Optional[NodeTopology] = None
+        self._node_groups = None
+        if self.is_sharded and (collectives.world_size(), collectives.rank()) == (self.world_size, self.rank):
+            self.topology = topology_for(self.world_size, ranks_per_node)
+            if self.exchange != "flat":
+                self._node_groups = node_groups(self.topology)  # collective; None on one node
 
     def set_grad_exchange_scope(self, scope: Optional[Callable[[], ContextManager[None]]]) -> None:
         """Run each backward exchange of looked-up rows' gradients inside ``scope()``

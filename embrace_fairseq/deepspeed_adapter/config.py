@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from embrace_fairseq.core.node_topology import EXCHANGES
 from embrace_fairseq.core.shard_plan import LAYOUTS
 
 SECTION = "embrace"
@@ -63,6 +64,12 @@ class EmbraceConfig:
         were built with (``"strided"`` unless ``--embrace-shard-layout`` said otherwise);
         a table built with another layout is re-sharded when the hook attaches (before
         the first step). ``embrace-ds-train`` builds the model with it directly.
+    exchange: the route of embedding lookups, ``"auto"``, ``"node"`` or ``"flat"``
+        (:mod:`embrace_fairseq.core.node_exchange`; the same as ``--embrace-exchange``).
+        ``None`` keeps what the tables were built with (``"auto"`` unless the flag said
+        otherwise).
+    ranks_per_node: ranks on each node for the node-aware exchange (``None``:
+        ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE``).
     """
 
     model_level: bool = True
@@ -80,6 +87,8 @@ class EmbraceConfig:
     next_forward: bool = False
     exchange_gate: bool = True
     live_queue: bool = False
+    exchange: Optional[str] = None
+    ranks_per_node: Optional[int] = None
 
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue"}
@@ -111,6 +120,11 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"{where} must be one of {', '.join(map(repr, OUTPUT_MODES))}, got {value!r}")
         if key == "trace" and value is not None and (not isinstance(value, str) or not value):
             raise EmbraceConfigError(f"{where} must be null or a non-empty path prefix, got {value!r}")
+        if key == "exchange" and value is not None and value not in EXCHANGES:
+            raise EmbraceConfigError(f"{where} must be null or one of {', '.join(repr(x) for x in EXCHANGES)}, got {value!r}")
+        if key == "ranks_per_node" and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                              or value < 1):
+            raise EmbraceConfigError(f"{where} must be null or a positive integer, got {value!r}")
         if key == "shard_layout" and value is not None and value not in LAYOUTS:
             raise EmbraceConfigError(f"{where} must be null or one of {', '.join(repr(x) for x in LAYOUTS)}, got {value!r}")
         values[key] = value

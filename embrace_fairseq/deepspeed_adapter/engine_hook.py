@@ -90,6 +90,9 @@ class EmbraceEngineHook:
         if config.shard_layout is not None:
             for emb in self.tables:  # collective (same tables, same order on every rank); no-op when equal
                 emb.set_layout(config.shard_layout)
+        if config.exchange is not None or config.ranks_per_node is not None:
+            for emb in self.tables:  # collective unless flat (the ranks agree on the nodes)
+                emb.set_exchange(config.exchange or emb.exchange, config.ranks_per_node)
         self.shard_optimizer: Optional[ShardOptimizer] = None
         if uses_shard_optimizer(self.zero_stage, config):
             self.shard_optimizer = self._make_shard_optimizer(shard_groups or {})

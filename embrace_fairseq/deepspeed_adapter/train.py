@@ -50,21 +50,26 @@ def add_deepspeed_args(parser: Any) -> None:
     # fairseq's parser already accepts the --local_rank the deepspeed launcher passes
 
 
-def apply_shard_layout(args: Any, argv: List[str], layout: Optional[str]) -> None:
-    """The JSON's ``"embrace.shard_layout"`` becomes ``args.embrace_shard_layout`` (the
-    model's tables are built with it); an explicit ``--embrace-shard-layout`` that says
-    otherwise stops with :class:`FairseqOptionConflict`."""
-    if layout is None:
-        return
-    flag = getattr(args, "embrace_shard_layout", None)
-    given = any(a == "--embrace-shard-layout" or a.startswith("--embrace-shard-layout=") for a in argv)
-    if given and flag != layout:
-        from embrace_fairseq.deepspeed_adapter.fairseq_options import FairseqOptionConflict
+def apply_table_keys(args: Any, argv: List[str], config: Any) -> None:
+    """The JSON's table keys (``"embrace.shard_layout"``, ``"exchange"``,
+    ``"ranks_per_node"``) become the ``--embrace-*`` table flags in ``args`` (the model's
+    tables are built with them); an explicit flag that says otherwise stops with
+    :class:`FairseqOptionConflict`."""
+    for key, flag in (("shard_layout", "--embrace-shard-layout"), ("exchange", "--embrace-exchange"),
+                      ("ranks_per_node", "--embrace-ranks-per-node")):
+        value = getattr(config, key)
+        if value is None:
+            continue
+        attr = flag[2:].replace("-", "_")
+        current = getattr(args, attr, None)
+        given = any(a == flag or a.startswith(flag + "=") for a in argv)
+        if given and current != value:
+            from embrace_fairseq.deepspeed_adapter.fairseq_options import FairseqOptionConflict
 
-        raise FairseqOptionConflict(
-            f"--embrace-shard-layout {flag!r} disagrees with the DeepSpeed config's embrace.shard_layout = "
-            f"{layout!r}; give one of them, or the same value")
-    args.embrace_shard_layout = layout
+            raise FairseqOptionConflict(
+                f"{flag} {current!r} disagrees with the DeepSpeed config's embrace.{key} = {value!r}; give one "
+                "of them, or the same value")
+        setattr(args, attr, value)
 
 
 def _output_mode(args: Any, argv: List[str], section: Optional[Dict[str, Any]]) -> None:
@@ -142,7 +147,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
     section = raw.pop("embrace", None) if isinstance(raw, dict) else None
     _, embrace_cfg = split_config({"embrace": section})  # a bad section stops here
     _output_mode(args, raw_argv, section)
-    apply_shard_layout(args, raw_argv, embrace_cfg.shard_layout)
+    apply_table_keys(args, raw_argv, embrace_cfg)
     # fairseq's own --lr-scheduler sets the rate on DeepSpeed's optimizer (trainer.py)
     scheduler_flags = [a for a in raw_argv if a.split("=")[0] in ("--lr-scheduler", "--warmup-updates")]
     argv_for_mapping = [a for a in raw_argv if a not in scheduler_flags] if raw.get("scheduler") is None else raw_argv

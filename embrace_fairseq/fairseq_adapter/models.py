@@ -10,12 +10,15 @@ its table in training (see :mod:`.vocab_parallel_criteria`).
 Everything else (layers, flags, hyper-parameters, architecture presets) is fairseq's,
 plus ``--embrace-shard-layout {strided,contiguous}``: which rank owns which row
 (default ``strided``: balanced exchanges; checkpoints are in vocabulary order with
-either, so they load under any layout and world size).
+either, so they load under any layout and world size), and ``--embrace-exchange
+{auto,flat,node}`` with ``--embrace-ranks-per-node``: the route of lookups on a job of
+several nodes (see :mod:`~embrace_fairseq.core.node_exchange`).
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import field, make_dataclass
+import logging
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Iterator, List, Optional
 
 import torch.nn as nn
@@ -29,14 +32,22 @@ from fairseq.utils import safe_getattr
 from embrace_fairseq.core.sharded_output import ShardedOutputProjection
 from embrace_fairseq.core.tied_projection import TiedShardedProjection
 from embrace_fairseq.core.vocab_parallel import AUTO, GATHER, OUTPUT_MODES
-from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param
+from embrace_fairseq.core.sharded_embedding import ShardedEmbedding, is_sharded_param, sharded_embeddings
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, LAYOUTS, check_layout
+from embrace_fairseq.core.node_topology import EXCHANGES, check_exchange
 from embrace_fairseq.fairseq_adapter.scheduled_ddp import (
     SCHEDULE_FLAG, SCHEDULE_HELP, SCHEDULE_MODES, TRACE_FLAG, TRACE_HELP)
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_FLAG = "--embrace-shard-layout"
 LAYOUT_HELP = ("which rank owns which embedding row: strided (id v on rank v mod N, balances the exchange of a "
                "frequency-sorted dictionary) or contiguous (one id range per rank)")
+EXCHANGE_HELP = ("the route of embedding lookups: node (ids deduplicated per node before they cross to other "
+                 "nodes, rows fanned out inside the node), flat (every rank asks every owner), auto (node when "
+                 "the job has several nodes of several ranks each). Same results either way")
+RANKS_PER_NODE_HELP = ("ranks on each node, for the node-aware exchange (default: EMBRACE_RANKS_PER_NODE, else "
+                       "the launcher's LOCAL_WORLD_SIZE)")
 
 #: stock architecture -> EmbRace architecture registered here
 TRANSLATION_ARCHS = {
@@ -80,34 +91,49 @@ def check_supported(args: Any, lm: bool) -> None:
         )
 
 
-def build_sharded_embedding(dictionary, embed_dim: int, layout: str = DEFAULT_LAYOUT) -> ShardedEmbedding:
+@dataclass(frozen=True)
+class TableOptions:
+    """How the token tables are sharded and looked up (the ``--embrace-*`` table flags)."""
+
+    layout: str = DEFAULT_LAYOUT
+    exchange: str = "auto"
+    ranks_per_node: Optional[int] = None
+
+
+def build_sharded_embedding(dictionary, embed_dim: int, options: TableOptions = TableOptions()) -> ShardedEmbedding:
     # The default process group: every data-parallel rank holds a slice.
-    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad(), layout=layout)
+    return ShardedEmbedding(len(dictionary), embed_dim, padding_idx=dictionary.pad(), layout=options.layout,
+                            exchange=options.exchange, ranks_per_node=options.ranks_per_node)
 
 
-def shard_layout_of(args: Any) -> str:
-    """The ``--embrace-shard-layout`` of ``args`` (the default when absent, as in older checkpoints)."""
-    return check_layout(safe_getattr(args, "embrace_shard_layout", None) or DEFAULT_LAYOUT)
+def table_options_of(args: Any) -> TableOptions:
+    """The table flags of ``args`` (defaults where absent, as in older checkpoints)."""
+    rpn = safe_getattr(args, "embrace_ranks_per_node", None)
+    return TableOptions(
+        layout=check_layout(safe_getattr(args, "embrace_shard_layout", None) or DEFAULT_LAYOUT),
+        exchange=check_exchange(str(safe_getattr(args, "embrace_exchange", None) or "auto")),
+        ranks_per_node=int(rpn) if rpn else None,
+    )
 
 
 # fairseq's TransformerModel hands build_embedding a TransformerConfig, which has no
-# place for our flag: build_model keeps the layout here while it builds.
-_building: List[str] = []
+# place for our flags: build_model keeps them here while it builds.
+_building: List[TableOptions] = []
 
 
 @contextlib.contextmanager
-def _building_with(layout: str) -> Iterator[None]:
-    _building.append(layout)
+def _building_with(options: TableOptions) -> Iterator[None]:
+    _building.append(options)
     try:
         yield
     finally:
         _building.pop()
 
 
-def _layout_for(args: Any) -> str:
+def _options_for(args: Any) -> TableOptions:
     if safe_getattr(args, "embrace_shard_layout", None):
-        return shard_layout_of(args)
-    return _building[-1] if _building else DEFAULT_LAYOUT
+        return table_options_of(args)
+    return _building[-1] if _building else TableOptions()
 
 
 def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
@@ -128,6 +154,11 @@ def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
             names.append(name)
     if names:
         model._ddp_params_and_buffers_to_ignore = names
+    for emb in sharded_embeddings(model):
+        if emb.node_aware and emb.rank == 0:
+            t = emb.topology
+            logger.info(f"EmbRace exchange: node-aware, {t.num_nodes} nodes x {t.ranks_per_node} ranks "
+                        f"({emb.num_embeddings} x {emb.embedding_dim} table)")
 
 
 OUTPUT_HELP = (
@@ -196,20 +227,22 @@ class EmbraceTransformerModel(TransformerModel):
         super().add_args(parser)
         parser.add_argument("--embrace-output", choices=OUTPUT_MODES, default=AUTO, help=OUTPUT_HELP)
         parser.add_argument(LAYOUT_FLAG, choices=list(LAYOUTS), default=DEFAULT_LAYOUT, help=LAYOUT_HELP)
+        parser.add_argument("--embrace-exchange", choices=list(EXCHANGES), default="auto", help=EXCHANGE_HELP)
+        parser.add_argument("--embrace-ranks-per-node", type=int, metavar="N", default=None, help=RANKS_PER_NODE_HELP)
         parser.add_argument(SCHEDULE_FLAG, choices=list(SCHEDULE_MODES), default="on", help=SCHEDULE_HELP)
         parser.add_argument(TRACE_FLAG, metavar="DIR", default=None, help=TRACE_HELP)
 
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
-        with _building_with(shard_layout_of(args)):
+        with _building_with(table_options_of(args)):
             model = super().build_model(args, task)
         mark_for_fairseq(model, args)
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        return build_sharded_embedding(dictionary, embed_dim, _layout_for(args))
+        return build_sharded_embedding(dictionary, embed_dim, _options_for(args))
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
@@ -232,6 +265,8 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
     [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP})),
      ("embrace_shard_layout", ChoiceEnum(list(LAYOUTS)),
       field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP})),
+     ("embrace_exchange", ChoiceEnum(list(EXCHANGES)), field(default="auto", metadata={"help": EXCHANGE_HELP})),
+     ("embrace_ranks_per_node", Optional[int], field(default=None, metadata={"help": RANKS_PER_NODE_HELP})),
      ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP})),
      ("embrace_trace", Optional[str], field(default=None, metadata={"help": TRACE_HELP}))],
     bases=(TransformerLanguageModelConfig,),
@@ -260,7 +295,7 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        return build_sharded_embedding(dictionary, embed_dim, _layout_for(args))
+        return build_sharded_embedding(dictionary, embed_dim, _options_for(args))
 
 
 def _plain_table_defaults(stock_fn):

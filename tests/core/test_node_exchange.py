@@ -58,6 +58,16 @@ def test_bad_input_stops_every_rank_of_every_node():
     assert all(m is not None and "99" in m and "rank 3" in m for _, m in results), results
 
 
+def test_launcher_numbering_is_checked(monkeypatch):
+    from embrace_fairseq.core.node_topology import _launcher_disagrees
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not _launcher_disagrees(NodeTopology(4, 2), 3)  # rank 3 = node 1, local 1
+    assert _launcher_disagrees(NodeTopology(4, 2), 2)  # a launcher that numbered nodes otherwise
+    assert not _launcher_disagrees(NodeTopology(4, 1), 2)  # nodes given by hand: taken as given
+
+
 def test_topology_from_the_launcher(monkeypatch):
     monkeypatch.delenv("EMBRACE_RANKS_PER_NODE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -70,3 +80,17 @@ def test_topology_from_the_launcher(monkeypatch):
     assert topology_for(8) == NodeTopology(8, 8)
     with pytest.raises(ValueError, match="do not fill nodes"):
         NodeTopology(6, 4)
+
+
+@pytest.mark.slow  # ~50 s: 4 DeepSpeed ranks, twice
+def test_deepspeed_hook_with_the_node_exchange_trains_as_stock():
+    """The DeepSpeed "embrace" section's "exchange": "node" on 2 emulated nodes of 2 ranks:
+    the tied model trains as stock DeepSpeed does (losses and weights within 1e-5)."""
+    import rank_fns_deepspeed as D
+
+    results = run_ranks(fns.deepspeed_node_run, 4, 4, 2, timeout_s=300, pg_timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["node_aware"], rank
+        assert D.rel_diff(r["ours"]["losses"], r["ref"]["losses"]) < 1e-5, (rank, r["ours"]["losses"], r["ref"]["losses"])
+        for name, value in r["ref"]["state"].items():
+            assert D.rel_diff(r["ours"]["state"][name], value) < 1e-5, (rank, name)

@@ -1,6 +1,7 @@
-"""The "shard_layout" key of the DeepSpeed "embrace" section: validated, applied to the
-tables when the hook attaches (and to the model embrace-ds-train builds), and training
-under either layout equals the replicated reference."""
+"""The table keys of the DeepSpeed "embrace" section ("shard_layout", "exchange",
+"ranks_per_node"): validated, applied to the tables when the hook attaches (and to the
+model embrace-ds-train builds), and training under either layout equals the replicated
+reference."""
 import argparse
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from embrace_fairseq.deepspeed_adapter import EmbraceConfigError, initialize, parse_embrace_config
 from embrace_fairseq.deepspeed_adapter.fairseq_options import FairseqOptionConflict
-from embrace_fairseq.deepspeed_adapter.train import apply_shard_layout
+from embrace_fairseq.deepspeed_adapter.train import apply_table_keys
 from embrace_fairseq.tools.local_ranks import run_ranks
 
 import rank_fns_deepspeed as D
@@ -29,18 +30,33 @@ def test_bad_shard_layout_stops_startup(value):
         initialize(model=torch.nn.Linear(2, 2), config=cfg)
 
 
+def _apply(args, argv, **section):
+    apply_table_keys(args, argv, parse_embrace_config(section))
+
+
 def test_json_layout_reaches_the_fairseq_args():
     args = argparse.Namespace(embrace_shard_layout="strided")  # the flag's default
-    apply_shard_layout(args, ["data", "--arch", "embrace_transformer"], "contiguous")
+    _apply(args, ["data", "--arch", "embrace_transformer"], shard_layout="contiguous")
     assert args.embrace_shard_layout == "contiguous"
     same = argparse.Namespace(embrace_shard_layout="contiguous")
-    apply_shard_layout(same, ["--embrace-shard-layout", "contiguous"], "contiguous")
+    _apply(same, ["--embrace-shard-layout", "contiguous"], shard_layout="contiguous")
     keep = argparse.Namespace(embrace_shard_layout="contiguous")
-    apply_shard_layout(keep, ["--embrace-shard-layout=contiguous"], None)
+    _apply(keep, ["--embrace-shard-layout=contiguous"])
     assert keep.embrace_shard_layout == "contiguous"
     with pytest.raises(FairseqOptionConflict, match="--embrace-shard-layout 'strided' disagrees"):
-        apply_shard_layout(argparse.Namespace(embrace_shard_layout="strided"),
-                           ["--embrace-shard-layout", "strided"], "contiguous")
+        _apply(argparse.Namespace(embrace_shard_layout="strided"), ["--embrace-shard-layout", "strided"],
+               shard_layout="contiguous")
+
+
+def test_json_exchange_reaches_the_fairseq_args():
+    args = argparse.Namespace(embrace_exchange="auto", embrace_ranks_per_node=None)
+    _apply(args, ["data"], exchange="flat", ranks_per_node=2)
+    assert (args.embrace_exchange, args.embrace_ranks_per_node) == ("flat", 2)
+    with pytest.raises(FairseqOptionConflict, match="--embrace-exchange 'node' disagrees"):
+        _apply(argparse.Namespace(embrace_exchange="node"), ["--embrace-exchange=node"], exchange="flat")
+    for key, bad in (("exchange", "ring"), ("ranks_per_node", 0), ("ranks_per_node", True)):
+        with pytest.raises(EmbraceConfigError, match=f'"embrace.{key}" must be null or'):
+            parse_embrace_config({key: bad})
 
 
 def test_config_layout_reshards_tables_and_trains_as_replicated():

@@ -122,6 +122,16 @@ def test_same_training_as_stock_more(case, mt_data, lm_data, tmp_path):
     _run_case(case, mt_data, lm_data, tmp_path)
 
 
+@pytest.mark.slow
+def test_node_aware_exchange_trains_as_stock(mt_data, lm_data, tmp_path):
+    """4 ranks as 2 emulated nodes of 2 ranks: the node-aware exchange of a shared table
+    (ids deduplicated per node) trains as the stock model does."""
+    case = ("translation", "transformer", 4, ["--share-all-embeddings"])
+    ours = _run_case(case, mt_data, lm_data, tmp_path,
+                     ours_extra=["--embrace-exchange", "node", "--embrace-ranks-per-node", "2"])
+    assert "EmbRace exchange: node-aware, 2 nodes x 2 ranks" in ours.output, ours.output[-3000:]
+
+
 @pytest.mark.slow  # ~40 s: the schedule turned off gives fairseq's own wrapper
 def test_schedule_off_keeps_fairseq_reduction(mt_data, lm_data, tmp_path):
     _run_case(("translation", "transformer", 2, ["--share-all-embeddings"]), mt_data, lm_data, tmp_path,

@@ -110,7 +110,8 @@ def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=N
         hook.close()
     return {"losses": losses, "state": model.full_state(), "summary": summary,
             "schedule": [(p.bucket, p.index) for p in hook.schedule.issue_order] if hook else None,
-            "next_forward": hook is not None and hook.next_forward is not None}
+            "next_forward": hook is not None and hook.next_forward is not None,
+            "node_aware": hook is not None and any(t.node_aware for t in hook.tables)}
 
 
 def one_step_each(rank, world):

@@ -81,3 +81,16 @@ def disagreeing_topology(rank, world):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def deepspeed_node_run(rank, world, steps, ranks_per_node):
+    """Stock DeepSpeed (replicated tied table) against the EmbRace hook whose "embrace"
+    section asks for the node-aware exchange: losses, weights, and the route taken."""
+    import rank_fns_deepspeed as D
+
+    D._ds_env(rank, world)
+    torch.set_num_threads(1)
+    ref = D.train(rank, world, sharded=False, tied=True, steps=steps)
+    embrace = {"exchange": "node", "ranks_per_node": ranks_per_node}
+    ours = D.train(rank, world, sharded=True, tied=True, steps=steps, embrace=embrace)
+    return {"ref": ref, "ours": ours, "node_aware": ours["node_aware"]}
