@@ -275,6 +275,62 @@ def all_reduce_async(tensor: torch.Tensor, group: Group = None) -> Pending:
     return Pending(lambda: dist.all_reduce(placed, group=group, async_op=True), placed.device, finish)
 
 
+class _Finished:
+    """The work handle of a collective that completed before it was returned (for
+    :class:`Pending`): waits return at once, its future is already set."""
+
+    def __init__(self) -> None:
+        self._fut: Any = torch.futures.Future()
+        self._fut.set_result(None)
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        return self._fut
+
+
+def chunk_sizes(numel: int, parts: int) -> List[int]:
+    """``numel`` elements in ``parts`` contiguous chunks differing by at most one."""
+    base, extra = divmod(numel, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def all_reduce_two_level(tensor: torch.Tensor, node_group: Group, rail_group: Group) -> torch.Tensor:
+    """Sum a contiguous ``tensor`` over the job in place, in two levels: a reduce-scatter
+    inside the node (an AlltoAll of chunks), an all-reduce of this rank's chunk across
+    the nodes (on its rail: the ranks with its local index), an all-gather inside the
+    node. Each node's ranks send ``2 (M-1)/M`` of the tensor across nodes together,
+    against ``2 (N-1)/N`` of it leaving each node in one ring over all ``N`` ranks.
+
+    For backends whose all-reduce knows no nodes (gloo); NCCL builds its rings and trees
+    from the topology itself."""
+    flat = tensor.view(-1)
+    parts, me = world_size(node_group), rank(node_group)
+    sizes = chunk_sizes(flat.numel(), parts)
+    mine = sizes[me]
+    received = flat.new_empty(parts * mine)
+    all_to_all_single(received, flat, [mine] * parts, sizes, node_group)
+    chunk = received.view(parts, mine).sum(0)
+    all_reduce(chunk, group=rail_group)
+    all_to_all_single(flat, chunk.repeat(parts), sizes, [mine] * parts, node_group)
+    return tensor
+
+
+def all_reduce_two_level_async(tensor: torch.Tensor, node_group: Group, rail_group: Group) -> Pending:
+    """:func:`all_reduce_two_level` as a :class:`Pending` (its three steps run when it is
+    issued, on the caller's thread: a chain of collectives issued from completion
+    callbacks could pair differently on different ranks)."""
+    def launch() -> Any:
+        all_reduce_two_level(tensor, node_group, rail_group)
+        return _Finished()
+
+    return Pending(launch, tensor.device, lambda: tensor)
+
+
 def all_gather_async(tensor: torch.Tensor, group: Group = None) -> Pending:
     """Every rank's ``tensor`` (equal shapes); :meth:`Pending.wait` returns the list."""
     placed, moved = _placed(tensor.contiguous(), group)

@@ -119,7 +119,7 @@ class NodeGroups:
         return self.topology.local_of(self.rank)
 
 
-_GROUPS: Dict[Tuple[int, NodeTopology], Tuple[Any, Optional[NodeGroups]]] = {}
+_GROUPS: Dict[Tuple[int, NodeTopology, str], Tuple[Any, Optional[NodeGroups]]] = {}
 
 
 def _launcher_disagrees(topology: NodeTopology, rank: int) -> bool:
@@ -133,9 +133,11 @@ def _launcher_disagrees(topology: NodeTopology, rank: int) -> bool:
     return int(local) != topology.local_of(rank)
 
 
-def node_groups(topology: NodeTopology) -> Optional[NodeGroups]:
+def node_groups(topology: NodeTopology, purpose: str = "exchange") -> Optional[NodeGroups]:
     """The node and rail groups of ``topology`` over the default group, created once per
-    topology (and per default group); ``None`` when the topology is not hierarchical (one
+    topology, ``purpose`` (groups that two threads use at once must differ: the exchange
+    runs on the autograd thread, the dense all-reduce on a communication thread) and
+    default group; ``None`` when the topology is not hierarchical (one
     node, or one rank per node: the flat exchange is already node-aware there).
     Collective: every rank calls it, in the same order.
 
@@ -146,7 +148,7 @@ def node_groups(topology: NodeTopology) -> Optional[NodeGroups]:
     if topology.world_size != world:
         raise ValueError(f"a topology of {topology.world_size} ranks in a job of {world}")
     default = torch.distributed.group.WORLD
-    key = (id(default), topology)
+    key = (id(default), topology, purpose)
     cached = _GROUPS.get(key)
     if cached is not None and cached[0] is default:
         return cached[1]

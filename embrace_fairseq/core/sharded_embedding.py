@@ -516,6 +516,12 @@ def release_consolidated(module: nn.Module) -> None:
         emb.release_consolidated()
 
 
+def job_topology(tables: Sequence[ShardedEmbedding]) -> Optional[NodeTopology]:
+    """The job's nodes as the tables see them (the first table spanning the job), for
+    the dense all-reduce; None without one."""
+    return next((emb.topology for emb in tables if emb.topology is not None), None)
+
+
 def finish_pending(tables) -> None:
     """:meth:`ShardedEmbedding.finish_pending` for every table of a module (or a list of
     tables). Call on every rank before reading gradients."""

@@ -248,10 +248,10 @@ class TracingLedger(CommLedger):
     def mark(self) -> None:
         self._marks.t = _now_us()
 
-    def record(self, kind: str, sent: int, received: int) -> None:
-        super().record(kind, sent, received)
+    def record(self, kind: str, sent: int, received: int, inter_node: Optional[int] = None) -> None:
+        super().record(kind, sent, received, inter_node)
         if self.inner is not None:
-            self.inner.record(kind, sent, received)
+            self.inner.record(kind, sent, received, inter_node)
         end = _now_us()
         start = getattr(self._marks, "t", end)
         self.tracer.collective(kind, sent, start, end, tid=EXCHANGE_TID, received=int(received))

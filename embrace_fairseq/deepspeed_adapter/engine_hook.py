@@ -38,7 +38,7 @@ import torch
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.relaxed_rows import RelaxedRows
-from embrace_fairseq.core.sharded_embedding import finish_pending, sharded_embeddings
+from embrace_fairseq.core.sharded_embedding import finish_pending, job_topology, sharded_embeddings
 from embrace_fairseq.core.trace import Tracer
 from embrace_fairseq.deepspeed_adapter import grad_glue
 from embrace_fairseq.deepspeed_adapter.config import EmbraceConfig, EmbraceConfigError
@@ -143,7 +143,8 @@ class EmbraceEngineHook:
         self.gate = ExchangeGate() if on else None
         self.reducer = ScheduledAllReduce(
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
-            active=self._reducing_backward, tracer=self.tracer, gate=self.gate, live_queue=self.config.live_queue)
+            active=self._reducing_backward, tracer=self.tracer, gate=self.gate, live_queue=self.config.live_queue,
+            topology=job_topology(self.tables))
         self.engine.enable_backward_allreduce = False
 
     def _next_forward_blocker(self) -> Optional[str]:

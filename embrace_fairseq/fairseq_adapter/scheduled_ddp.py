@@ -32,7 +32,7 @@ from fairseq import models as fairseq_models
 from fairseq.distributed import ModuleProxyWrapper
 
 from embrace_fairseq.core import collectives
-from embrace_fairseq.core.sharded_embedding import sharded_embeddings
+from embrace_fairseq.core.sharded_embedding import job_topology, sharded_embeddings
 from embrace_fairseq.core.trace import Tracer
 from embrace_fairseq.schedule.exchange_marks import scope_grad_exchanges, trace_tables
 from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
@@ -77,10 +77,10 @@ class ScheduledDataParallel(nn.Module):
         group = collectives.new_group(ranks)
         self.schedule = build_schedule(tensor_specs(module), options)
         self.gate = ExchangeGate() if options.model_level else None
+        tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,
                                           active=self._reducing, gate=self.gate, tracer=self.tracer,
-                                          trace_backward=True)
-        tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
+                                          trace_backward=True, topology=job_topology(tables))
         trace_tables(tables, self.tracer)
         scope_grad_exchanges(tables, self.gate, self._reducing)
         self._closed = False

@@ -50,7 +50,7 @@ import heapq
 import logging
 import threading
 import time
-from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ from embrace_fairseq.core.ring_volume import ring_allreduce_bytes_int
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
+from embrace_fairseq.core.node_topology import NodeGroups, NodeTopology, node_groups
 from embrace_fairseq.schedule import rates
 from embrace_fairseq.schedule.plan import Schedule, piece_key
 from embrace_fairseq.core.trace import Tracer
@@ -201,6 +202,11 @@ class ScheduledAllReduce:
         trace_backward: put a ``backward`` compute phase on the trace, from the first
             gradient hook to the end of backward (for engines whose backward the caller
             cannot time itself, as fairseq's trainer).
+        topology: the job's nodes (``group`` spanning the whole job). On several nodes of
+            several ranks, a gloo group's pieces on CPU are all-reduced in two levels
+            (:func:`~embrace_fairseq.core.collectives.all_reduce_two_level`; gloo's ring
+            knows no nodes), on node and rail groups of their own (collective: created
+            now). Also says which of the ledger's dense bytes leave the node.
     """
 
     def __init__(
@@ -218,6 +224,7 @@ class ScheduledAllReduce:
         agree_group: Optional["dist.ProcessGroup"] = None,
         trace_backward: bool = False,
         live_queue: bool = False,
+        topology: Optional[NodeTopology] = None,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
@@ -248,6 +255,11 @@ class ScheduledAllReduce:
         if agree_group is None and self.live_queue and self.world_size > 1:
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self.agree_group = collectives.new_group(ranks)
+        self.topology = topology
+        self.two_level: Optional[NodeGroups] = None
+        if (topology is not None and topology.world_size == self.world_size == collectives.world_size()
+                and not self.single_thread and collectives.backend_name(group) == "gloo"):
+            self.two_level = node_groups(topology, purpose="dense")  # collective; None on one node
         #: agreement rounds of the last reduced step (live queue), for logs and tests
         self.agreement_rounds = 0
         # rates not set in the options are measured: the link now, backward at the
@@ -382,7 +394,10 @@ class ScheduledAllReduce:
 
     def _launch(self, piece) -> None:
         view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
-        pending = collectives.all_reduce_async(view, self.group)
+        if self.two_level is not None and view.device.type == "cpu":
+            pending = collectives.all_reduce_two_level_async(view, self.two_level.node_group, self.two_level.rail_group)
+        else:
+            pending = collectives.all_reduce_async(view, self.group)
         self._inflight.append((pending, piece))
         with self._issued_cond:
             self._issued[(piece.bucket, piece.index)] = pending
@@ -481,13 +496,28 @@ class ScheduledAllReduce:
         pending, piece = item
         pending.synchronize()  # finished, not only ordered: a CUDA event on GPUs
         pending.wait()
-        esize = self._flat[piece.bucket].element_size()
-        # ring all-reduce: each rank sends and receives 2 (N-1)/N of the payload
-        nbytes = ring_allreduce_bytes_int(piece.numel * esize, self.world_size)
+        nbytes, inter = self._dense_bytes(piece.numel, self._flat[piece.bucket])
         for ledger in self.ledgers:
-            ledger.record(K.DENSE_GRAD, nbytes, nbytes)
+            ledger.record(K.DENSE_GRAD, nbytes, nbytes, inter)
         self.tracer.collective(K.DENSE_GRAD, piece.nbytes, pending.issued_us, pending.end_us(), bucket=piece.bucket,
                                piece=piece.index)
+
+    def _dense_bytes(self, numel: int, flat: torch.Tensor) -> Tuple[int, Optional[int]]:
+        """Bytes this rank sends for one piece, and how many of them leave its node (None:
+        no topology, every rank counted as a node of its own)."""
+        esize, t = flat.element_size(), self.topology
+        if self.two_level is not None and flat.device.type == "cpu":
+            # chunks exchanged inside the node twice, this rank's chunk all-reduced across nodes
+            mine = collectives.chunk_sizes(numel, t.ranks_per_node)[t.local_of(collectives.rank())]
+            across = ring_allreduce_bytes_int(mine * esize, t.num_nodes)
+            return (numel - mine) * esize + (t.ranks_per_node - 1) * mine * esize + across, across
+        # ring all-reduce (in rank order): each rank sends and receives 2 (N-1)/N of the
+        # payload, to the next rank: across nodes from the last rank of each node
+        nbytes = ring_allreduce_bytes_int(numel * esize, self.world_size)
+        if t is None:
+            return nbytes, None
+        last_of_node = t.local_of(collectives.rank()) == t.ranks_per_node - 1 and t.num_nodes > 1
+        return nbytes, nbytes if last_of_node else 0
 
     # ------------------------------------------------------------------ completion
     @torch.no_grad()

@@ -94,3 +94,20 @@ def test_deepspeed_hook_with_the_node_exchange_trains_as_stock():
         assert D.rel_diff(r["ours"]["losses"], r["ref"]["losses"]) < 1e-5, (rank, r["ours"]["losses"], r["ref"]["losses"])
         for name, value in r["ref"]["state"].items():
             assert D.rel_diff(r["ours"]["state"][name], value) < 1e-5, (rank, name)
+
+
+def test_dense_all_reduce_in_two_levels():
+    """gloo's all-reduce knows no nodes: on 2 emulated nodes of 2 ranks the scheduled
+    reducer's pieces go in two levels (inside the node, across on the rails, inside
+    again): the same averaged gradients, less across nodes than one ring over all ranks
+    would send from each node."""
+    results = run_ranks(fns.dense_two_level, 4, 2)
+    for r in results:
+        assert r["modes"] == (False, True)
+        assert r["diff"] < 1e-6, r
+    # flat: a ring over 4 ranks on one node sends nothing across; over 2 nodes each
+    # node's last rank would send its whole ring share across
+    assert all(r["inter"]["flat"] == 0 for r in results)
+    ring_share = results[0]["sent"]["flat"]  # 2 (N-1)/N of the payload, every rank
+    across = sum(r["inter"]["two_level"] for r in results) / 2  # per node
+    assert 0 < across < ring_share, (across, ring_share)

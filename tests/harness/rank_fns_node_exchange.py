@@ -94,3 +94,39 @@ def deepspeed_node_run(rank, world, steps, ranks_per_node):
     embrace = {"exchange": "node", "ranks_per_node": ranks_per_node}
     ours = D.train(rank, world, sharded=True, tied=True, steps=steps, embrace=embrace)
     return {"ref": ref, "ours": ours, "node_aware": ours["node_aware"]}
+
+
+def dense_two_level(rank, world, ranks_per_node):
+    """The scheduled reducer's dense all-reduce in two levels (gloo, emulated nodes)
+    against the flat one: the averaged gradients, and the bytes that left the node."""
+    from embrace_fairseq.core import collectives
+    from embrace_fairseq.core.node_topology import NodeTopology
+    from embrace_fairseq.schedule.executor import ScheduledAllReduce
+    from embrace_fairseq.schedule.plan import ScheduleOptions, TensorSpec, build_schedule
+
+    out = {}
+    for mode in ("flat", "two_level"):
+        torch.manual_seed(0)
+        # 7x5+5, 5x13+13, 13x3+3 elements: pieces and chunks of uneven sizes
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 13),
+                                    torch.nn.Tanh(), torch.nn.Linear(13, 3))
+        params = list(model.parameters())
+        specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i // 2) for i, p in enumerate(params)]
+        schedule = build_schedule(specs, ScheduleOptions(piece_bytes=64, bucket_bytes=256, compute_bytes_per_s=1e9,
+                                                         link_bytes_per_s=1e9))
+        ledger = CommLedger()
+        topology = NodeTopology(world, ranks_per_node if mode == "two_level" else world)
+        reducer = ScheduledAllReduce(params, schedule, collectives.new_group(), ledger=ledger, topology=topology,
+                                     single_thread=False)
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        reducer.finish()
+        out[mode] = {"grads": [p.grad.clone() for p in params], "two_level": reducer.two_level is not None,
+                     "ledger": ledger.snapshot()}
+        reducer.remove()
+    return {
+        "diff": max((a - b).abs().max().item() for a, b in zip(out["flat"]["grads"], out["two_level"]["grads"])),
+        "modes": (out["flat"]["two_level"], out["two_level"]["two_level"]),
+        "sent": {m: out[m]["ledger"]["sent"].get("dense_grad", 0) for m in out},
+        "inter": {m: out[m]["ledger"]["inter_node"].get("dense_grad", 0) for m in out},
+    }
