@@ -275,22 +275,61 @@ def all_reduce_async(tensor: torch.Tensor, group: Group = None) -> Pending:
     return Pending(lambda: dist.all_reduce(placed, group=group, async_op=True), placed.device, finish)
 
 
-class _Finished:
-    """The work handle of a collective that completed before it was returned (for
-    :class:`Pending`): waits return at once, its future is already set."""
+class _FutureWork:
+    """The work handle (for :class:`Pending`) of collectives run by a worker thread: its
+    future is completed, or given the error, when they are done."""
 
     def __init__(self) -> None:
-        self._fut: Any = torch.futures.Future()
-        self._fut.set_result(None)
+        self.future: Any = torch.futures.Future()
 
     def wait(self) -> bool:
+        self.future.wait()  # raises the worker's error
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return bool(self.future.done())
 
     def get_future(self) -> Any:
-        return self._fut
+        return self.future
+
+
+class _ChainWorker:
+    """One thread that runs chains of collectives (each a callable) in the order they
+    were submitted: every rank submits the same chains in the same order, so the
+    collectives inside pair up, whatever each rank's caller does meanwhile."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+
+        self._queue: Any = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, chain: Callable[[], Any]) -> _FutureWork:
+        work = _FutureWork()
+        self._queue.put((chain, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            chain, work = self._queue.get()
+            try:
+                chain()
+            except BaseException as exc:  # handed to whoever waits for the work
+                work.future.set_exception(exc)
+            else:
+                work.future.set_result(None)
+
+
+_CHAIN_WORKERS: dict = {}
+_CHAIN_LOCK = threading.Lock()
+
+
+def _chain_worker(key: Any) -> _ChainWorker:
+    with _CHAIN_LOCK:
+        if key not in _CHAIN_WORKERS:
+            _CHAIN_WORKERS[key] = _ChainWorker("embrace-two-level")
+        return _CHAIN_WORKERS[key]
 
 
 def chunk_sizes(numel: int, parts: int) -> List[int]:
@@ -321,14 +360,15 @@ def all_reduce_two_level(tensor: torch.Tensor, node_group: Group, rail_group: Gr
 
 
 def all_reduce_two_level_async(tensor: torch.Tensor, node_group: Group, rail_group: Group) -> Pending:
-    """:func:`all_reduce_two_level` as a :class:`Pending` (its three steps run when it is
-    issued, on the caller's thread: a chain of collectives issued from completion
-    callbacks could pair differently on different ranks)."""
-    def launch() -> Any:
-        all_reduce_two_level(tensor, node_group, rail_group)
-        return _Finished()
-
-    return Pending(launch, tensor.device, lambda: tensor)
+    """:func:`all_reduce_two_level` as a :class:`Pending`. Its three steps run on a thread
+    of their own, one per pair of groups, in the order they were issued: the caller
+    returns at once, as from an asynchronous all-reduce (a caller that waited for them
+    could deadlock against a peer that is busy with another group first), and chains
+    issued from completion callbacks instead could pair differently on different ranks.
+    Use the groups for nothing else."""
+    worker = _chain_worker((id(node_group), id(rail_group)))
+    return Pending(lambda: worker.submit(lambda: all_reduce_two_level(tensor, node_group, rail_group)),
+                   tensor.device, lambda: tensor)
 
 
 def all_gather_async(tensor: torch.Tensor, group: Group = None) -> Pending:
