@@ -1,8 +1,8 @@
 """Which ranks share a node: the cluster's shape as the exchange sees it.
 
 Launchers number ranks node by node: ``torchrun`` and the ``deepspeed`` launcher give
-rank ``node * ranks_per_node + local_rank`` and export ``LOCAL_WORLD_SIZE`` (ranks on
-this node) and ``LOCAL_RANK``. A :class:`NodeTopology` is that numbering: node ``n``
+rank ``node * ranks_per_node + local_rank`` and export the ranks on this node
+(``LOCAL_WORLD_SIZE``; the ``deepspeed`` launcher: ``LOCAL_SIZE``) and ``LOCAL_RANK``. A :class:`NodeTopology` is that numbering: node ``n``
 holds ranks ``[n*L, (n+1)*L)``, and the *rail* of local index ``j`` is the ranks with
 that index on every node (``j, L+j, 2L+j, ...``): the ranks that talk across nodes in
 the node-aware exchange (:mod:`~embrace_fairseq.core.node_exchange`).
@@ -25,6 +25,9 @@ from embrace_fairseq.core import collectives
 #: Overrides the launcher's ``LOCAL_WORLD_SIZE`` (ranks per node), e.g. to emulate nodes
 #: on one machine or to keep the flat exchange (set it to the world size).
 RANKS_PER_NODE_ENV = "EMBRACE_RANKS_PER_NODE"
+
+#: Where launchers say how many ranks run on this node: torchrun, then the deepspeed launcher.
+_LAUNCHER_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
 #: Exchange modes a table accepts: ``auto`` is node-aware when there are several nodes of
 #: several ranks each, flat otherwise.
@@ -87,10 +90,11 @@ class NodeTopology:
 
 def topology_for(world_size: int, ranks_per_node: Optional[int] = None) -> NodeTopology:
     """The topology of a job of ``world_size`` ranks: ``ranks_per_node`` when given, else
-    ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE``, else one node
-    (a job started without a launcher that says otherwise)."""
+    ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) or
+    ``LOCAL_SIZE`` (deepspeed), else one node (a job started without a launcher that
+    says otherwise)."""
     if ranks_per_node is None:
-        for var in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE"):
+        for var in (RANKS_PER_NODE_ENV, *_LAUNCHER_SIZE_VARS):
             value = os.environ.get(var, "")
             if value.strip():
                 try:
@@ -127,7 +131,8 @@ def _launcher_disagrees(topology: NodeTopology, rank: int) -> bool:
     its ``LOCAL_RANK`` is not where ``topology`` puts ``rank``. Nodes given otherwise
     (``EMBRACE_RANKS_PER_NODE``, ``--embrace-ranks-per-node``: emulated or described by
     hand) are taken as given."""
-    local, size = os.environ.get("LOCAL_RANK", "").strip(), os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    size = next((os.environ[v].strip() for v in _LAUNCHER_SIZE_VARS if os.environ.get(v, "").strip()), "")
     if not (local.isdigit() and size.isdigit()) or int(size) != topology.ranks_per_node:
         return False
     return int(local) != topology.local_of(rank)

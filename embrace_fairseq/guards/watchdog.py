@@ -19,9 +19,11 @@ the rendezvous store torch.distributed already has:
 * the store itself unreachable for ``timeout`` seconds (its host, rank 0 for ``tcp://``
   and ``env://`` rendezvous without torchrun, is gone) counts as a loss too.
 
-On a loss it logs ``rank K lost: ...`` to stderr and ends the process with
-:data:`LOST_PEER_EXIT_CODE` (``os._exit``: a thread blocked in a collective cannot be
-interrupted otherwise). ``EMBRACE_PEER_TIMEOUT_S`` sets the timeout (default 60; 0
+On a loss it logs ``rank K lost: ...`` to stderr (``ranks K, L lost: rank K: ...; rank L:
+...`` when several are: a node that goes away takes all its ranks, and one more round
+after the first loss lets those seen a round later be named too) and ends the process
+with :data:`LOST_PEER_EXIT_CODE` (``os._exit``: a thread blocked in a collective cannot
+be interrupted otherwise). ``EMBRACE_PEER_TIMEOUT_S`` sets the timeout (default 60; 0
 turns the watchdog off).
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 #: Environment variable: seconds without a heartbeat before a peer counts as lost (0: off).
 TIMEOUT_ENV = "EMBRACE_PEER_TIMEOUT_S"
@@ -67,6 +69,22 @@ def _proc_start_time(pid: int) -> Optional[str]:
     fields = stat.rsplit(")", 1)[1].split()
     state, start = fields[0], fields[19]
     return None if state in ("Z", "X") else start
+
+
+def lost_message(lost: Mapping[int, str]) -> Optional[str]:
+    """The verdict naming every lost rank (``{rank: why}``); None when there is none.
+
+    One rank keeps the form ``rank K lost: why``; several are listed first, so the
+    message says at once which ranks are gone: ``ranks K, L lost: rank K: why; rank L: why``.
+    """
+    if not lost:
+        return None
+    if len(lost) == 1:
+        (r, why), = lost.items()
+        return f"rank {r} lost: {why}"
+    ranks = sorted(lost)
+    return (f"ranks {', '.join(str(r) for r in ranks)} lost: "
+            + "; ".join(f"rank {r}: {lost[r]}" for r in ranks))
 
 
 def _process_identity() -> str:
@@ -111,6 +129,7 @@ class PeerWatchdog:
         self._host = socket.gethostname()
         now = time.monotonic()
         self._peers: Dict[int, _Peer] = {r: _Peer(changed_at=now) for r in range(world_size) if r != rank}
+        self._lost: Dict[int, str] = {}  # rank -> why, as first seen
         self._store_ok_at = now
         self.store.set(f"id/{rank}", _process_identity())
         self._beat()
@@ -126,14 +145,30 @@ class PeerWatchdog:
         while not self._stop.wait(self.interval_s):
             verdict = self.check_once()
             if verdict is not None and not self._stop.is_set():
+                verdict = self._settle(verdict)
                 self._publish(verdict)
                 self.on_lost(verdict)
                 return
 
+    def _settle(self, verdict: str) -> str:
+        """One more round after this rank found a loss, to name the ranks lost with it.
+
+        A machine that goes away takes all its ranks, but this rank may see them go a
+        round apart: a kill lands between two reads of /proc, or the peers' last
+        heartbeats were read in consecutive rounds. A peer silent for the timeout less
+        one round is taken as lost with the others (a live peer beats every round)."""
+        if not self._lost or self._stop.wait(self.interval_s):
+            return verdict
+        try:
+            self._look_at_peers(time.monotonic(), slack_s=self.interval_s)
+        except Exception:  # the store may be going away with the lost ranks
+            pass
+        return lost_message(self._lost) or verdict
+
     def _publish(self, verdict: str) -> None:
         """Tell the other survivors what was lost, then give them a moment to read it:
         this rank may host the store, which goes away with it."""
-        if verdict.startswith("rank ") and "reported by rank" not in verdict:
+        if verdict.startswith(("rank ", "ranks ")) and "reported by rank" not in verdict:
             try:
                 self.store.set("verdict", f"{verdict} (reported by rank {self.rank})")
                 time.sleep(min(2 * self.interval_s, 2.0))
@@ -160,35 +195,46 @@ class PeerWatchdog:
             return None
         return verdict
 
-    def _look_at_peers(self, now: float) -> Optional[str]:
+    def _look_at_peers(self, now: float, slack_s: float = 0.0) -> Optional[str]:
+        """Look at every peer (all of them: a lost node takes several ranks); the verdict
+        naming every rank lost so far, or None."""
         for r, peer in self._peers.items():
-            if peer.exited_ok:
+            if r in self._lost:
                 continue
-            if not peer.host and self.store.check([f"id/{r}"]):
-                host, pid, start = self.store.get(f"id/{r}").decode().split("|")
-                peer.host, peer.pid, peer.start = host, int(pid), start
-            if peer.failed_since is None and self.store.check([f"exit/{r}"]):
-                status = self.store.get(f"exit/{r}").decode()
-                if status == "ok":
-                    peer.exited_ok = True
-                    continue
-                peer.failed_since, peer.failure = now, status.split(": ", 1)[-1]
-            if peer.failed_since is not None:
-                if now - peer.failed_since >= self.failure_grace_s:
-                    return f"rank {r} lost: it failed ({peer.failure}) while this rank still runs"
-                continue
-            if self.store.check([f"hb/{r}"]):
-                value = self.store.get(f"hb/{r}")
-                if value != peer.counter:
-                    peer.counter, peer.changed_at = value, now
-            if peer.host == self._host and peer.pid and _proc_start_time(peer.pid) != peer.start:
-                # gone (or a zombie, or the pid reused); a clean exit publishes its status first
-                if self.store.check([f"exit/{r}"]):
-                    continue  # read next round
-                return f"rank {r} lost: its process {peer.pid} on {peer.host} is gone (killed or crashed)"
-            silent = now - peer.changed_at
-            if silent >= self.timeout_s:
-                return f"rank {r} lost: no heartbeat for {silent:.1f} s ({TIMEOUT_ENV}={self.timeout_s:g})"
+            why = self._look_at(r, peer, now, slack_s)
+            if why is not None:
+                self._lost[r] = why
+        return lost_message(self._lost)
+
+    def _look_at(self, r: int, peer: _Peer, now: float, slack_s: float) -> Optional[str]:
+        """Why peer ``r`` is lost, or None."""
+        if peer.exited_ok:
+            return None
+        if not peer.host and self.store.check([f"id/{r}"]):
+            host, pid, start = self.store.get(f"id/{r}").decode().split("|")
+            peer.host, peer.pid, peer.start = host, int(pid), start
+        if peer.failed_since is None and self.store.check([f"exit/{r}"]):
+            status = self.store.get(f"exit/{r}").decode()
+            if status == "ok":
+                peer.exited_ok = True
+                return None
+            peer.failed_since, peer.failure = now, status.split(": ", 1)[-1]
+        if peer.failed_since is not None:
+            if now - peer.failed_since >= self.failure_grace_s:
+                return f"it failed ({peer.failure}) while this rank still runs"
+            return None
+        if self.store.check([f"hb/{r}"]):
+            value = self.store.get(f"hb/{r}")
+            if value != peer.counter:
+                peer.counter, peer.changed_at = value, now
+        if peer.host == self._host and peer.pid and _proc_start_time(peer.pid) != peer.start:
+            # gone (or a zombie, or the pid reused); a clean exit publishes its status first
+            if self.store.check([f"exit/{r}"]):
+                return None  # read next round
+            return f"its process {peer.pid} on {peer.host} is gone (killed or crashed)"
+        silent = now - peer.changed_at
+        if silent >= self.timeout_s - slack_s:
+            return f"no heartbeat for {silent:.1f} s ({TIMEOUT_ENV}={self.timeout_s:g})"
         return None
 
     # ------------------------------------------------------------------ end
@@ -300,7 +346,8 @@ def await_verdict(exc: BaseException) -> None:
     wd = _ACTIVE
     if wd is None or not looks_like_lost_peer(exc):
         return
-    deadline = time.monotonic() + wd.timeout_s + 3 * wd.interval_s
+    # detection, the settling round, the pause to publish, and a round of slack
+    deadline = time.monotonic() + wd.timeout_s + 5 * wd.interval_s
     while time.monotonic() < deadline and wd._thread.is_alive():
         time.sleep(wd.interval_s / 2)
 

@@ -188,6 +188,16 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_flat", label="(e-n) EmbRace, 2D schedule, flat exchange", short="EmbRace flat exchange",
+    aliases=("flat",),
+    description="(e) with the flat exchange: every rank asks every owner directly, so a row two ranks of one node "
+                "need crosses the inter-node link twice (the node-aware exchange's ablation; on one rank per node "
+                "the two are the same exchange)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_flat"), shards_table=True,
+)
+
+register_strategy(
     "embrace_next_forward", label="(e+) EmbRace, 2D schedule + next-forward overlap", short="EmbRace next-forward",
     aliases=("next_forward",),
     description="(e) with cross-iteration overlap: the step does not wait for the dense all-reduce; each layer "

@@ -153,7 +153,8 @@ _MECHANISMS = """## What makes these pass
   A peer whose heartbeat stops for `EMBRACE_PEER_TIMEOUT_S` seconds (default 60; 0 turns it
   off), whose process is gone (same host: seen within one period), which failed while this
   rank still runs, or a store that cannot be reached for the timeout: the rank prints
-  `[embrace watchdog] rank K lost: ...` and exits with status 43. Installed by `run_ranks`,
+  `[embrace watchdog] rank K lost: ...` (`ranks K, L lost: rank K: ...; rank L: ...` when
+  several are, e.g. the ranks of a node that went away) and exits with status 43. Installed by `run_ranks`,
   by the fairseq plugin when fairseq initialises distributed training, and by the DeepSpeed
   `initialize`. Under torchrun the agent also stops the other workers.
 * **Shard-plan agreement** (`embrace_fairseq/core/agreement.py`): building a `ShardedEmbedding`

@@ -61,6 +61,7 @@ def test_bad_input_stops_every_rank_of_every_node():
 def test_launcher_numbering_is_checked(monkeypatch):
     from embrace_fairseq.core.node_topology import _launcher_disagrees
 
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert not _launcher_disagrees(NodeTopology(4, 2), 3)  # rank 3 = node 1, local 1
@@ -70,6 +71,7 @@ def test_launcher_numbering_is_checked(monkeypatch):
 
 def test_topology_from_the_launcher(monkeypatch):
     monkeypatch.delenv("EMBRACE_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert topology_for(8) == NodeTopology(8, 2) and topology_for(8).is_hierarchical
     monkeypatch.setenv("EMBRACE_RANKS_PER_NODE", "4")
@@ -77,6 +79,9 @@ def test_topology_from_the_launcher(monkeypatch):
     assert topology_for(8, ranks_per_node=8).num_nodes == 1
     monkeypatch.delenv("EMBRACE_RANKS_PER_NODE")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # the deepspeed launcher's name for it
+    assert topology_for(8) == NodeTopology(8, 4)
+    monkeypatch.delenv("LOCAL_SIZE")
     assert topology_for(8) == NodeTopology(8, 8)
     with pytest.raises(ValueError, match="do not fill nodes"):
         NodeTopology(6, 4)

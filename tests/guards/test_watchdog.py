@@ -82,6 +82,62 @@ def test_killed_peer_process_is_seen_at_once():
         wd.stop()
 
 
+def test_every_lost_rank_is_named():
+    """Two peers killed (a node gone): one verdict lists both, each with its reason."""
+    wd, peers, _ = manual(world=4, timeout=30)
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        for r, proc in zip((1, 2), procs):
+            peers.identity(r, proc.pid)
+        peers.identity(3, __import__("os").getpid())  # rank 3 is this (live) process
+        for r in (1, 2, 3):
+            peers.beat(r, 1)
+        assert wd.check_once() is None
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        verdict = wd.check_once()
+        gone = [f"rank {r}: its process {p.pid} on {wd._host} is gone (killed or crashed)" for r, p in zip((1, 2), procs)]
+        assert verdict == "ranks 1, 2 lost: " + "; ".join(gone), verdict
+        assert W.lost_message({4: "why"}) == "rank 4 lost: why" and W.lost_message({}) is None
+    finally:
+        for proc in procs:
+            proc.kill()
+        wd.stop()
+
+
+def test_thread_names_ranks_that_went_silent_a_round_apart():
+    """Ranks 2 and 3 stop beating one round apart (their node went away between two reads):
+    the settling round after the first loss names both; rank 1, beating, is not named."""
+    store = dist.HashStore()
+    peers, called = Peers(store), []
+    done, stop = threading.Event(), threading.Event()
+    stopped = {}
+
+    def beat():
+        n, t0 = 0, time.monotonic()
+        while not stop.is_set():
+            n += 1
+            for r in (1, 2, 3):
+                if r == 1 or time.monotonic() - t0 < (0.6 if r == 2 else 0.7):
+                    peers.beat(r, n)
+                else:
+                    stopped.setdefault(r, time.monotonic())
+            time.sleep(0.01)
+
+    threading.Thread(target=beat, daemon=True).start()
+    wd = W.PeerWatchdog(store, 0, 4, timeout_s=0.5, interval_s=0.1,
+                        on_lost=lambda msg: (called.append(msg), done.set()))
+    try:
+        assert done.wait(5.0), "the watchdog never reported the silent ranks"
+        msg = called[0]
+        assert msg.startswith("ranks 2, 3 lost: rank 2: no heartbeat for"), msg
+        assert "; rank 3: no heartbeat for" in msg and "rank 1" not in msg, msg
+    finally:
+        stop.set()
+        wd.stop()
+
+
 def test_clean_exit_is_not_a_loss_and_a_failure_is_reported_after_the_grace():
     wd, peers, _ = manual(timeout=0.3, grace=0.2)
     try:

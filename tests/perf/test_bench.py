@@ -58,6 +58,70 @@ def test_cluster_is_created_shaped_and_removed():
     assert NC.list_namespaces(c.tag) == []
 
 
+def test_placements_without_a_node_are_one_rank_per_node():
+    # a worker rebuilds placements from its spec's dicts, which may predate the node field
+    p = NC.RankPlacement(**{"rank": 3, "netns": "ebbx", "ifname": "ebbxr3a", "addr": "10.77.0.4"})
+    assert p.node == 3
+    c = NC.Cluster.create(6, NC.LinkSpec(1.0, 0.1), loopback=True, ranks_per_node=3)
+    assert [p.node for p in c.ranks] == [0, 0, 0, 1, 1, 1] and c.nodes == 2
+    assert c.describe()["nodes"] == 2 and c.describe()["ranks_per_node"] == 3
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="ranks_per_node"):
+            NC.Cluster.create(6, NC.LinkSpec(1.0, 0.1), loopback=True, ranks_per_node=bad)
+
+
+def _tx_bytes(place):
+    return int(subprocess.run(place.command_prefix() + ["cat", place.tx_bytes_path()], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+@needs_ns
+def test_nodes_share_a_namespace_and_only_the_node_link_is_shaped():
+    """2 nodes x 2 ranks: one namespace, veth and address per node; the node's link shaped;
+    ranks of a node talk over its loopback (nothing on the veth), across nodes over the veth."""
+    with NC.Cluster.create(4, NC.LinkSpec(1.0, 0.1), ranks_per_node=2) as c:
+        assert sorted(NC.list_namespaces(c.tag)) == sorted([f"{c.tag}n0", f"{c.tag}n1", f"{c.tag}s"])
+        r = c.ranks
+        assert [p.node for p in r] == [0, 0, 1, 1]
+        assert (r[0].netns, r[0].ifname, r[0].addr) == (r[1].netns, r[1].ifname, r[1].addr) == (
+            f"{c.tag}n0", f"{c.tag}n0a", f"{NC.SUBNET}.1")
+        assert (r[2].netns, r[2].addr) == (r[3].netns, r[3].addr) == (f"{c.tag}n1", f"{NC.SUBNET}.2")
+        assert [p.rank for p in c.node_ranks(1)] == [2, 3]
+        d = c.describe()
+        assert d["nodes"] == 2 and d["ranks_per_node"] == 2 and [x["node"] for x in d["ranks"]] == [0, 0, 1, 1]
+        assert "per node link" in d["shaping"]
+        for ns, dev in ((f"{c.tag}n1", f"{c.tag}n1a"), (c.switch_ns, f"{c.tag}n0b")):
+            qd = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+            assert "tbf" in qd and "rate 1Gbit" in qd, (ns, dev, qd)
+        lo = subprocess.run(["tc", "-n", f"{c.tag}n0", "qdisc", "show", "dev", "lo"], capture_output=True,
+                            text=True).stdout
+        assert "tbf" not in lo and "netem" not in lo
+        # a listener at node 0's address; 2 MB from node 0 itself, then from node 1
+        server = subprocess.Popen(r[0].command_prefix() + [sys.executable, "-c", (
+            "import socket\n"
+            f"s = socket.create_server(('{r[0].addr}', 9100))\n"
+            "for _ in range(2):\n"
+            "    c, _ = s.accept()\n"
+            "    while c.recv(1 << 20): pass\n"
+            "    c.close()\n")])
+        send = (f"import socket, time\n"
+                f"for _ in range(100):\n"
+                f"    try: s = socket.create_connection(('{r[0].addr}', 9100)); break\n"
+                f"    except OSError: time.sleep(0.1)\n"
+                f"s.sendall(b'x' * 2_000_000); s.close()")
+        try:
+            before = _tx_bytes(r[1])
+            subprocess.run(r[1].command_prefix() + [sys.executable, "-c", send], check=True, timeout=60)
+            assert _tx_bytes(r[1]) - before < 10_000  # the same node: not over the node's link
+            before = _tx_bytes(r[2])
+            subprocess.run(r[2].command_prefix() + [sys.executable, "-c", send], check=True, timeout=60)
+            assert _tx_bytes(r[2]) - before >= 2_000_000  # another node: over the shaped link
+            server.wait(timeout=60)
+        finally:
+            server.kill()
+    assert NC.list_namespaces(c.tag) == []
+
+
 @needs_ns
 def test_cleanup_command_removes_leftovers():
     tag = NC.new_tag()

@@ -34,6 +34,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default="lm,translation", help="comma list of: lm (untied LM), translation, gpt_lm (tied GPT-style LM, 32k BPE)")
     p.add_argument("--worlds", default="2,4", help="comma list of rank counts")
     p.add_argument("--gbit", default=None, help="comma list of link rates in Gbit/s (default 1 quick, 1,10 full)")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks per emulated node: the ranks of a node share its namespace (fast link), nodes are "
+                        "joined by the shaped links (default 1: every rank a node of its own)")
     p.add_argument("--latency-ms", type=float, default=0.1, help="one-way rank-to-rank latency (needs sch_netem)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--steps-per-round", type=int, default=None)
@@ -53,6 +56,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     a.models = [m for m in a.models.split(",") if m]
     a.worlds = [int(x) for x in a.worlds.split(",")]
+    uneven = [w for w in a.worlds if a.ranks_per_node < 1 or w % a.ranks_per_node]
+    if uneven:
+        p.error(f"--ranks-per-node {a.ranks_per_node} does not divide the rank counts {uneven}")
     try:
         a.strategies = [canonical_strategy(s) for s in a.strategies.split(",") if s]
     except ValueError as exc:
@@ -68,7 +74,9 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
         "tmp": str(tmp), "warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
         "strategies": a.strategies, "links": [{"gbit": l.gbit, "latency_ms": l.latency_ms} for l in links],
         "loopback": cluster.loopback, "cluster": {"tag": cluster.tag, "switch_ns": cluster.switch_ns},
-        "placement": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr} for p in cluster.ranks],
+        "placement": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr, "node": p.node}
+                      for p in cluster.ranks],
+        "ranks_per_node": cluster.ranks_per_node,
         "pg_timeout_s": 600, "profile_steps": 5,
     }
     spec_path = tmp / "spec.json"
@@ -78,12 +86,15 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR=master,
-               MASTER_PORT=str(port), WORLD_SIZE=str(cluster.world_size), LOCAL_SIZE=str(cluster.world_size),
-               PYTHONWARNINGS="ignore", TORCH_CPP_LOG_LEVEL="ERROR")
+               MASTER_PORT=str(port), WORLD_SIZE=str(cluster.world_size), PYTHONWARNINGS="ignore",
+               TORCH_CPP_LOG_LEVEL="ERROR")
+    # the launcher's view of the nodes, as torchrun gives it: what the exchange reads
+    k = cluster.ranks_per_node
+    env.update(LOCAL_SIZE=str(k), LOCAL_WORLD_SIZE=str(k))
     procs = []
     logs = []
     for p in cluster.ranks:
-        e = dict(env, RANK=str(p.rank), LOCAL_RANK=str(p.rank), GLOO_SOCKET_IFNAME=p.ifname)
+        e = dict(env, RANK=str(p.rank), LOCAL_RANK=str(p.rank % k), GLOO_SOCKET_IFNAME=p.ifname)
         log = open(log_dir / f"{model}_w{cluster.world_size}_rank{p.rank}.log", "w")
         logs.append(log)
         cmd = p.command_prefix() + [sys.executable, "-m", "embrace_fairseq.perf.bench.worker", str(spec_path)]
@@ -154,7 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"[bench] FALLBACK: ranks on loopback, no emulated links ({why_not}); "
               "communication costs almost nothing here, so the figures do not show link-bound speed", flush=True)
     else:
-        print(f"[bench] emulated cluster: one namespace per rank, tbf rate limit per direction"
+        per = "rank" if a.ranks_per_node == 1 else f"node of {a.ranks_per_node} ranks"
+        print(f"[bench] emulated cluster: one namespace per {per}, tbf rate limit per direction"
               f"{'' if NC.netem_available() else ' (no sch_netem in this kernel: latency not applied)'}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     for sub in ("traces", "logs"):
@@ -170,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             t0 = time.time()
             print(f"[bench] {model}: {world} ranks, links {', '.join(l.label() for l in links)} ...", flush=True)
             with tempfile.TemporaryDirectory(prefix="embrace_bench_") as tmp:
-                cluster = NC.Cluster.create(world, links[0], loopback=loopback)
+                cluster = NC.Cluster.create(world, links[0], loopback=loopback, ranks_per_node=a.ranks_per_node)
                 try:
                     ranks = _launch(a, model, cluster, links, Path(tmp), a.out / "logs")
                     raw.append({"model": model, "world_size": world, "cluster": cluster.describe(), "ranks": ranks})
@@ -190,6 +202,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "source": source_state(REPO_ROOT),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
         "versions": _versions(), "fallback_loopback": loopback, "fallback_reason": why_not,
+        "topology": {"ranks_per_node": a.ranks_per_node},
         "latency_applied": (not loopback) and NC.netem_available(),
         "link": {"gbit": a.gbit, "latency_ms": a.latency_ms,
                  "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},

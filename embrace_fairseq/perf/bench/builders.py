@@ -306,6 +306,11 @@ def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter:
     return _embrace(name, w, task, data, True, trace_prefix, shard_layout="contiguous")
 
 
+def build_embrace_flat(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                       trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"exchange": "flat"}, trace_prefix)
+
+
 def build(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
           trace_prefix: Optional[str] = None) -> Strategy:
     """Build the registered strategy ``name`` (a collective: all ranks call it)."""

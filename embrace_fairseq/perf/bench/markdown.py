@@ -26,8 +26,11 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
         L.append(f"**FALLBACK: loopback, no emulated links** ({meta['fallback_reason']}). Communication is "
                  "nearly free here; these figures do not show link-bound behaviour.")
     else:
-        L.append(f"Emulated cluster: one network namespace per rank, veth to a bridge in a switch namespace, "
-                 f"each rank's link shaped in both directions ({meta['link']['shaping']}); rates "
+        k = int((meta.get("topology") or {}).get("ranks_per_node", 1))
+        per = ("one network namespace per rank" if k == 1 else
+               f"one network namespace per node of {k} ranks (ranks of a node talk unshaped inside it)")
+        L.append(f"Emulated cluster: {per}, veth to a bridge in a switch namespace, "
+                 f"each {'rank' if k == 1 else 'node'}'s link shaped in both directions ({meta['link']['shaping']}); rates "
                  f"{', '.join(f'{g:g}' for g in meta['link']['gbit'])} Gbit/s"
                  + ("" if meta["latency_applied"] else
                     f"; the {meta['link']['latency_ms']:g} ms latency was NOT applied (this kernel has no sch_netem)")
@@ -203,6 +206,43 @@ def _ablation(result: Dict[str, Any]) -> List[str]:
     return L
 
 
+def _nodes(result: Dict[str, Any]) -> List[str]:
+    """Several ranks per node: what crosses between nodes, per strategy, and the node-aware
+    exchange against the flat one."""
+    runs = [r for r in result["runs"] if r.get("ranks_per_node", 1) > 1]
+    if not runs:
+        return []
+    k = runs[0]["ranks_per_node"]
+    conf = 100 * result.get("confidence", 0.95)
+    L = [f"## Between nodes ({k} ranks per node)", "",
+         "Per node and step: the bytes EmbRace's ledger counted as leaving the node, by kind (what the collectives "
+         "send; the stock paths' collectives do not say which bytes leave a node), and the node's NIC transmit "
+         "counter (tx_bytes of the node's veth, headers included: every strategy).", "",
+         "| run | strategy | inter-node MB counted (by kind) | NIC MB | median step s |", "|---|---|---|---|---|"]
+    order = lambda r: STRATEGIES.index(r["strategy"])  # noqa: E731
+    for r in sorted(runs, key=lambda r: (run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"],
+                                                                               "latency_ms": r["latency_ms"]}), order(r))):
+        key = run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]})
+        inter = r.get("inter_node_bytes_per_node_per_step")
+        counted = "-" if inter is None else (f"{sum(inter.values()) / 1e6:.2f} (" + ", ".join(
+            f"{kk} {v / 1e6:.2f}" for kk, v in sorted(inter.items(), key=lambda kv: -kv[1]) if v >= 1e3) + ")")
+        L.append(f"| {key} | {get_strategy(r['strategy']).label} | {counted} | "
+                 f"{_mb(r.get('wire_bytes_per_node_per_step'))} | {r['median_step_s']:.3f} |")
+    L.append("")
+    for key, c in (result.get("nodes") or {}).items():
+        iv = c["flat_over_node_step"]
+        ratio = c["bytes_node_over_flat"]
+        L.append(f"- {key}: the exchange's inter-node bytes per node and step, node-aware "
+                 f"{c['node_exchange_inter_node_bytes'] / 1e6:.3f} MB / flat {c['flat_exchange_inter_node_bytes'] / 1e6:.3f} MB = "
+                 + ("-" if ratio is None else f"{ratio:.2f}")
+                 + f" (goal at most 0.7: {'met' if c['bytes_met'] else 'MISSED'}); flat step / node-aware step "
+                 f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % paired bootstrap"
+                 + ("" if "step_met" not in c else
+                    f"; goal on this model: lower end at least 1.1: {'met' if c['step_met'] else 'MISSED'}") + ").")
+    L.append("")
+    return L
+
+
 def _goal(result: Dict[str, Any]) -> List[str]:
     L = ["## Goal (4 ranks, 1 Gbit/s)", ""]
     if not result["goal"]:
@@ -215,7 +255,8 @@ def _goal(result: Dict[str, Any]) -> List[str]:
 
 
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
-    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _ablation(result) + _goal(result)
+    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _ablation(result)
+    L += _nodes(result) + _goal(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "

@@ -1,18 +1,28 @@
-"""An emulated cluster on one machine: one network namespace per rank, slow links.
+"""An emulated cluster on one machine: one network namespace per node, slow links.
 
-Layout (``Cluster.create``)::
+Layout (``Cluster.create``; one rank per node, the default)::
 
     ns <tag>s  (switch)      bridge <tag>br
         |-- <tag>r0b  ====veth====  <tag>r0a  in ns <tag>r0   10.77.0.1/24
         |-- <tag>r1b  ====veth====  <tag>r1a  in ns <tag>r1   10.77.0.2/24
         ...
 
-Every rank's link is shaped in both directions: on the rank's end (its upload) and on
+With ``ranks_per_node=K`` the ranks of one node share its namespace, veth and address,
+as processes of one machine share its NIC::
+
+    ns <tag>s  (switch)      bridge <tag>br
+        |-- <tag>n0b  ====veth====  <tag>n0a  in ns <tag>n0   10.77.0.1/24   ranks 0..K-1
+        |-- <tag>n1b  ====veth====  <tag>n1a  in ns <tag>n1   10.77.0.2/24   ranks K..2K-1
+        ...
+
+Every node's link is shaped in both directions: on the node's end (its upload) and on
 the switch's end (its download), a ``netem`` qdisc adds half the one-way latency and a
 ``tbf`` child limits the rate. A kernel without ``sch_netem`` gets the rate limit only
-(``describe()["latency_applied"]`` is then false). Two ranks therefore talk over two shaped hops, like two
-nodes with their own NIC behind a switch. Nothing leaves the namespaces the run
-created: the switch namespace has no route to the host.
+(``describe()["latency_applied"]`` is then false). Two nodes therefore talk over two shaped hops, like two
+machines with their own NIC behind a switch. Ranks of one node reach each other at the
+node's own address, which the kernel routes over the namespace's loopback: unshaped, the
+fast link inside a machine. Nothing leaves the namespaces the run created: the switch
+namespace has no route to the host.
 
 Names carry a per-run tag (``ebb`` + 5 hex digits) so concurrent runs do not collide;
 :func:`cleanup_leftovers` removes every namespace with the ``ebb`` prefix (what a killed
@@ -28,7 +38,7 @@ import signal
 import subprocess
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 PREFIX = "ebb"  # every namespace this module creates starts with it
 SUBNET = "10.77.0"
@@ -96,7 +106,7 @@ def namespaces_available() -> Optional[str]:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """Per-rank link: rate in Gbit/s, one-way rank-to-rank latency in ms."""
+    """Per-node link: rate in Gbit/s, one-way node-to-node latency in ms."""
 
     gbit: float
     latency_ms: float
@@ -107,13 +117,21 @@ class LinkSpec:
 
 @dataclass
 class RankPlacement:
+    """Where one rank runs; the ranks of one node share netns, ifname and addr."""
+
     rank: int
     netns: Optional[str]  # None: loopback (no namespace)
     ifname: str  # the interface gloo binds to (GLOO_SOCKET_IFNAME)
     addr: str
+    node: Optional[int] = None  # None: the rank is a node of its own (node = rank)
+
+    def __post_init__(self) -> None:
+        # placements written before nodes existed (a worker's spec) have one rank per node
+        if self.node is None:
+            self.node = self.rank
 
     def command_prefix(self) -> List[str]:
-        """Prefix that runs a command inside this rank's namespace."""
+        """Prefix that runs a command inside this rank's (node's) namespace."""
         return ["ip", "netns", "exec", self.netns] if self.netns else []
 
     def tx_bytes_path(self) -> str:
@@ -122,7 +140,7 @@ class RankPlacement:
 
 @dataclass
 class Cluster:
-    """N ranks on emulated links (or on loopback when ``loopback``)."""
+    """N ranks on ``N / ranks_per_node`` emulated nodes (or on loopback when ``loopback``)."""
 
     world_size: int
     tag: str
@@ -130,18 +148,26 @@ class Cluster:
     ranks: List[RankPlacement] = field(default_factory=list)
     switch_ns: Optional[str] = None
     link: Optional[LinkSpec] = None
+    ranks_per_node: int = 1
     _closed: bool = False
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def create(cls, world_size: int, link: LinkSpec, *, loopback: bool = False) -> "Cluster":
-        if world_size < 1 or world_size > 250:
-            raise ValueError(f"world_size must be 1..250, got {world_size}")
+    def create(cls, world_size: int, link: LinkSpec, *, loopback: bool = False,
+               ranks_per_node: int = 1) -> "Cluster":
+        """Build the namespaces and links; node ``n`` holds ranks ``n*K .. n*K+K-1``
+        (``K = ranks_per_node``, which must divide ``world_size``)."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"ranks_per_node must be >= 1 and divide world_size {world_size}, got {ranks_per_node}")
+        if world_size // ranks_per_node > 250:  # one address per node in a /24
+            raise ValueError(f"at most 250 nodes, got {world_size // ranks_per_node}")
         tag = new_tag()
         if loopback:
-            ranks = [RankPlacement(r, None, "lo", "127.0.0.1") for r in range(world_size)]
-            return cls(world_size, tag, True, ranks)
-        cluster = cls(world_size, tag, False, switch_ns=f"{tag}s")
+            ranks = [RankPlacement(r, None, "lo", "127.0.0.1", r // ranks_per_node) for r in range(world_size)]
+            return cls(world_size, tag, True, ranks, ranks_per_node=ranks_per_node)
+        cluster = cls(world_size, tag, False, switch_ns=f"{tag}s", ranks_per_node=ranks_per_node)
         _register_cleanup(cluster)
         try:
             cluster._build(link)
@@ -150,45 +176,75 @@ class Cluster:
             raise
         return cluster
 
+    def _node_names(self, node: int) -> Tuple[str, str, str]:
+        """(namespace, node end, switch end) of a node's link. One rank per node keeps the
+        per-rank names (``<tag>r<rank>``) that callers and leftover clean-ups know."""
+        kind = "r" if self.ranks_per_node == 1 else "n"
+        base = f"{self.tag}{kind}{node}"
+        return base, f"{base}a", f"{base}b"
+
     def _build(self, link: LinkSpec) -> None:
         sw = self.switch_ns
         _ip("netns", "add", sw)
         _ip("-n", sw, "link", "add", f"{self.tag}br", "type", "bridge")
         _ip("-n", sw, "link", "set", f"{self.tag}br", "up")
         _ip("-n", sw, "link", "set", "lo", "up")
-        for r in range(self.world_size):
-            ns, a, b = f"{self.tag}r{r}", f"{self.tag}r{r}a", f"{self.tag}r{r}b"
+        for n in range(self.nodes):
+            ns, a, b = self._node_names(n)
             _ip("netns", "add", ns)
-            # created in the switch namespace, the rank end then moved: nothing lands in the host's
+            # created in the switch namespace, the node end then moved: nothing lands in the host's
             _ip("-n", sw, "link", "add", b, "type", "veth", "peer", "name", a, "netns", ns)
             _ip("-n", sw, "link", "set", b, "master", f"{self.tag}br")
             _ip("-n", sw, "link", "set", b, "up")
-            addr = f"{SUBNET}.{r + 1}"
+            addr = f"{SUBNET}.{n + 1}"
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
             _ip("-n", ns, "link", "set", a, "up")
+            # the node's ranks talk to each other over it (their own address is routed to lo)
             _ip("-n", ns, "link", "set", "lo", "up")
-            self.ranks.append(RankPlacement(r, ns, a, addr))
+            for local in range(self.ranks_per_node):
+                self.ranks.append(RankPlacement(n * self.ranks_per_node + local, ns, a, addr, n))
         self.set_link(link)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> List[RankPlacement]:
+        """The placements of one node's ranks, by rank."""
+        return [p for p in self.ranks if p.node == node]
+
+    def node_placements(self) -> List[RankPlacement]:
+        """One placement per node (its first rank): the node's namespace, interface, address."""
+        seen: Dict[int, RankPlacement] = {}
+        for p in self.ranks:
+            seen.setdefault(p.node, p)
+        return [seen[n] for n in sorted(seen)]
 
     # ------------------------------------------------------------------ shaping
     def set_link(self, link: LinkSpec) -> None:
-        """(Re)shape every rank's link in both directions; safe while traffic flows."""
+        """(Re)shape every node's link in both directions; safe while traffic flows."""
         self.link = link
         if self.loopback:
             return
-        for r, place in enumerate(self.ranks):
+        for place in self.node_placements():
             _shape(place.netns, place.ifname, link)
-            _shape(self.switch_ns, f"{self.tag}r{r}b", link)
+            _shape(self.switch_ns, _switch_end(place.ifname), link)
 
     def describe(self) -> Dict[str, object]:
         return {
             "loopback": self.loopback,
             "tag": self.tag,
             "world_size": self.world_size,
-            "ranks": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr} for p in self.ranks],
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "ranks": [{"rank": p.rank, "node": p.node, "netns": p.netns, "ifname": p.ifname, "addr": p.addr}
+                      for p in self.ranks],
             "switch_ns": self.switch_ns,
             "shaping": None if self.loopback else (
-                "per rank link, both directions: "
+                ("per rank link" if self.ranks_per_node == 1 else
+                 "per node link (ranks of a node: unshaped, over the node's loopback)")
+                + ", both directions: "
                 + ("netem delay latency/2 + tbf rate" if netem_available() else
                    "tbf rate only (this kernel has no sch_netem: latency not applied)")),
             "latency_applied": (not self.loopback) and netem_available(),
@@ -201,7 +257,7 @@ class Cluster:
         self._closed = True
         if self.loopback:
             return
-        for ns in [p.netns for p in self.ranks] + [self.switch_ns]:
+        for ns in dict.fromkeys([p.netns for p in self.ranks] + [self.switch_ns]):
             if ns:
                 _ip("netns", "delete", ns, check=False)
         # a half-built cluster may hold namespaces not yet in self.ranks
@@ -232,6 +288,11 @@ def netem_available() -> bool:
 
 
 _NETEM: Optional[bool] = None
+
+
+def _switch_end(ifname: str) -> str:
+    """The switch's end of a node's veth: the same name, ``b`` for ``a``."""
+    return ifname[:-1] + "b"
 
 
 def tbf_burst_bytes(gbit: float) -> int:

@@ -41,6 +41,11 @@ ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_n
             "embrace_relaxed")
 ABLATION_BASE = "embrace_fifo"
 FLOOR = "compute_floor"
+# node-aware exchange (the subject) against the flat one on several ranks per node
+NODE_PAIR = ("embrace_flat", SPEEDUP_SUBJECT)
+NODE_BYTES_GOAL = 0.7  # the exchange's inter-node bytes, node-aware over flat
+NODE_STEP_GOAL = 1.1  # flat step over node-aware step, on the untied LM
+EXCHANGE_KINDS = ("counts", "ids", "rows", "grad_rows")
 # exchange phases and the side of each that the shard layout decides (owners serve rows
 # in forward and receive gradient rows in backward)
 EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
@@ -109,8 +114,9 @@ def _min_bytes(name: str, world: int, prof: Dict[str, Any], ids: List[list], tie
 
 
 def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: int, link: Dict[str, float],
-                min_b: Optional[float]) -> Dict[str, Any]:
-    """One (model, ranks, link, strategy) run from its ranks' records."""
+                min_b: Optional[float], ranks_per_node: int = 1) -> Dict[str, Any]:
+    """One (model, ranks, link, strategy) run from its ranks' records. With several ranks
+    per node, every rank of a node read the node's NIC: its wire bytes are the node's."""
     n_steps = len(per_rank[0]["step_s"])
     step_s = [max(pr["step_s"][i] for pr in per_rank) for i in range(n_steps)]
     tokens = sum(pr["tokens"] for pr in per_rank)
@@ -120,6 +126,12 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
     wire = [pr["wire_bytes_per_step"] for pr in per_rank]
     hidden = [pr.get("hidden_share") for pr in per_rank if pr.get("hidden_share") is not None]
     total = sum(by_kind.values())
+    inter = None
+    if all("inter_node_bytes_by_kind" in pr for pr in per_rank):
+        ikinds = sorted({k for pr in per_rank for k in pr["inter_node_bytes_by_kind"]})
+        inter = {k: ranks_per_node * statistics.fmean(pr["inter_node_bytes_by_kind"].get(k, 0.0) for pr in per_rank)
+                 for k in ikinds}
+    wire_node = None if any(x is None for x in wire) else statistics.fmean(wire)
     return {
         "model": model, "world_size": world, "link_gbit": link["gbit"], "latency_ms": link["latency_ms"],
         "strategy": name, "median_step_s": statistics.median(step_s), "step_s": step_s,
@@ -127,7 +139,10 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
         "bytes_per_rank_per_step": by_kind, "bytes_total_per_rank_per_step": total,
         "collective_bytes_by_op": {k: statistics.fmean(pr["counted_bytes_by_op"].get(k, 0.0)
                                                        for pr in per_rank) for k in counted},
-        "wire_bytes_per_rank_per_step": None if any(x is None for x in wire) else statistics.fmean(wire),
+        "ranks_per_node": ranks_per_node,
+        "wire_bytes_per_rank_per_step": None if wire_node is None else wire_node / ranks_per_node,
+        "wire_bytes_per_node_per_step": wire_node,
+        "inter_node_bytes_per_node_per_step": inter,
         "min_bytes_per_rank_per_step": min_b,
         "bytes_over_min": (total / min_b) if min_b else None,
         "hidden_share": statistics.fmean(hidden) if hidden else None,
@@ -207,6 +222,32 @@ def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, An
     return out
 
 
+def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per run key on several ranks per node where the flat exchange ran beside the
+    node-aware one (the subject): the exchange's inter-node bytes per node and step of
+    each, node-aware over flat (goal: at most :data:`NODE_BYTES_GOAL`), and the flat
+    step over the node-aware one with its paired interval (goal on the untied LM: lower
+    end at least :data:`NODE_STEP_GOAL`)."""
+    by = _by_key(runs)
+    out: Dict[str, Any] = {}
+    for (key, s), flat in by.items():
+        node = by.get((key, SPEEDUP_SUBJECT))
+        if s != NODE_PAIR[0] or node is None or flat.get("ranks_per_node", 1) < 2:
+            continue
+        fb, nb = (sum((r.get("inter_node_bytes_per_node_per_step") or {}).get(k, 0.0) for k in EXCHANGE_KINDS)
+                  for r in (flat, node))
+        iv = paired_ratio_interval(flat["step_s"], node["step_s"])
+        entry: Dict[str, Any] = {
+            "flat_exchange_inter_node_bytes": fb, "node_exchange_inter_node_bytes": nb,
+            "bytes_node_over_flat": nb / fb if fb else None, "flat_over_node_step": iv,
+            "bytes_met": (nb / fb <= NODE_BYTES_GOAL) if fb else None,
+        }
+        if node["model"] == "lm":
+            entry["step_met"] = iv["low"] >= NODE_STEP_GOAL
+        out[key] = entry
+    return out
+
+
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
     meta = dict(meta, bounds="perf.bounds.min_bytes_per_step")
@@ -241,7 +282,8 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
                 per_rank = [rk["links"][li]["strategies"][name] for rk in ranks]
                 pm["_tokens"].append(sum(pr["tokens"] for pr in per_rank) / (world * len(per_rank[0]["step_s"])))
                 runs.append(_run_record(name, per_rank, model, world, link,
-                                        _min_bytes(name, world, prof, ids, tied, meta, tokens)))
+                                        _min_bytes(name, world, prof, ids, tied, meta, tokens),
+                                        int((meta.get("topology") or {}).get("ranks_per_node", 1))))
                 losses[name] = per_rank[0]["loss"]
             # the reference trains synchronously: never the floor, whose ranks train apart
             synchronous = [l for n, l in losses.items() if n != FLOOR] or list(losses.values())
@@ -256,6 +298,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
               "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
+              "nodes": node_exchange_check(runs),
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     return result

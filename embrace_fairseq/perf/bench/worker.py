@@ -86,7 +86,7 @@ def _set_link(spec: Dict[str, Any], li: int, link: Any, rank: int, world: int) -
     dist.barrier()
     if li > 0 and rank == 0 and not spec["loopback"]:
         c = Cluster(world, spec["cluster"]["tag"], False, ranks=[RankPlacement(**p) for p in spec["placement"]],
-                    switch_ns=spec["cluster"]["switch_ns"])
+                    switch_ns=spec["cluster"]["switch_ns"], ranks_per_node=spec.get("ranks_per_node", 1))
         c.set_link(link)
     dist.barrier()
 
@@ -99,7 +99,7 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
     counter.take()
     counter.enabled = True
     snap0 = ledger.snapshot()
-    led0, recv0 = _ledger_bytes(snap0), _ledger_bytes(snap0, "received")
+    led0, recv0, inter0 = _ledger_bytes(snap0), _ledger_bytes(snap0, "received"), _ledger_bytes(snap0, "inter_node")
     tx0 = _tx_bytes(tx_path)
     for _ in range(spec["steps_per_round"]):
         batch = batches.get(s.steps_done, rank)
@@ -122,7 +122,8 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
     counter.enabled = False
     rec["wire"] += _tx_bytes(tx_path) - tx0
     snap1 = ledger.snapshot()
-    for side, before, into in (("sent", led0, rec["bytes"]), ("received", recv0, rec["received"])):
+    for side, before, into in (("sent", led0, rec["bytes"]), ("received", recv0, rec["received"]),
+                               ("inter_node", inter0, rec["inter_node"])):
         for k, v in _diff(_ledger_bytes(snap1, side), before).items():
             k = _LEDGER_KINDS.get(k, k)
             into[k] = into.get(k, 0.0) + v
@@ -147,6 +148,8 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
              "tokens": rec["tokens"], "batch_steps": rec["batch_steps"]}
     if get_strategy(name).shards_table:  # the exchange's owner side is received in backward
         entry["bytes_received_by_kind"] = {k: v / n for k, v in rec["received"].items()}
+        # what left the rank's node (the ledger knows the nodes from the launcher's view)
+        entry["inter_node_bytes_by_kind"] = {k: v / n for k, v in rec["inter_node"].items()}
     hook = built[name].hook
     if hook is not None:
         summ = hook.tracer.summary()
@@ -169,7 +172,8 @@ def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, ran
         s = built[name]
         for _ in range(spec["warmup"]):
             s.step(batches.get(s.steps_done, rank), batches.get(s.steps_done + 1, rank) if s.looks_ahead else None)
-    per = {n: {"step_s": [], "loss": [], "bytes": {}, "received": {}, "counted": {}, "wire": 0.0, "steps": 0, "batch_steps": [],
+    per = {n: {"step_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {}, "wire": 0.0,
+               "steps": 0, "batch_steps": [],
                "tokens": 0} for n in spec["strategies"]}
     for s in built.values():
         if s.hook is not None:
