@@ -70,6 +70,9 @@ class EmbraceConfig:
         otherwise).
     ranks_per_node: ranks on each node for the node-aware exchange (``None``:
         ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE``).
+    two_level_allreduce: on several nodes of several ranks, all-reduce the dense pieces
+        in two levels on gloo (inside the node, across on the rails, inside again);
+        ``false``: one ring over all ranks.
     """
 
     model_level: bool = True
@@ -89,9 +92,11 @@ class EmbraceConfig:
     live_queue: bool = False
     exchange: Optional[str] = None
     ranks_per_node: Optional[int] = None
+    two_level_allreduce: bool = True
 
 
-_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue"}
+_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue",
+          "two_level_allreduce"}
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
 _POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 

@@ -144,7 +144,7 @@ class EmbraceEngineHook:
         self.reducer = ScheduledAllReduce(
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
             active=self._reducing_backward, tracer=self.tracer, gate=self.gate, live_queue=self.config.live_queue,
-            topology=job_topology(self.tables))
+            topology=job_topology(self.tables), two_level=self.config.two_level_allreduce)
         self.engine.enable_backward_allreduce = False
 
     def _next_forward_blocker(self) -> Optional[str]:

@@ -198,6 +198,15 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_ring", label="(e-nr) EmbRace, flat exchange, one-ring all-reduce", short="EmbRace one ring",
+    aliases=("ring",),
+    description="(e-n) with the dense pieces all-reduced in one ring over all ranks instead of in two levels "
+                "(the two-level all-reduce's ablation; on one rank per node the two are the same)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_ring"), shards_table=True,
+)
+
+register_strategy(
     "embrace_next_forward", label="(e+) EmbRace, 2D schedule + next-forward overlap", short="EmbRace next-forward",
     aliases=("next_forward",),
     description="(e) with cross-iteration overlap: the step does not wait for the dense all-reduce; each layer "

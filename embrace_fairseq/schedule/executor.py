@@ -207,6 +207,7 @@ class ScheduledAllReduce:
             (:func:`~embrace_fairseq.core.collectives.all_reduce_two_level`; gloo's ring
             knows no nodes), on node and rail groups of their own (collective: created
             now). Also says which of the ledger's dense bytes leave the node.
+        two_level: allow the two-level all-reduce (False: one ring over all ranks).
     """
 
     def __init__(
@@ -225,6 +226,7 @@ class ScheduledAllReduce:
         trace_backward: bool = False,
         live_queue: bool = False,
         topology: Optional[NodeTopology] = None,
+        two_level: bool = True,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
@@ -257,7 +259,7 @@ class ScheduledAllReduce:
             self.agree_group = collectives.new_group(ranks)
         self.topology = topology
         self.two_level: Optional[NodeGroups] = None
-        if (topology is not None and topology.world_size == self.world_size == collectives.world_size()
+        if (two_level and topology is not None and topology.world_size == self.world_size == collectives.world_size()
                 and not self.single_thread and collectives.backend_name(group) == "gloo"):
             self.two_level = node_groups(topology, purpose="dense")  # collective; None on one node
         #: agreement rounds of the last reduced step (live queue), for logs and tests

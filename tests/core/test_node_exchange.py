@@ -18,7 +18,8 @@ def _inter(results, route, kinds):
 
 
 @pytest.mark.parametrize("world,ranks_per_node,layout", [
-    (4, 2, "strided"), (6, 3, "strided"), pytest.param(6, 3, "contiguous", marks=pytest.mark.slow)])
+    (4, 2, "strided"),  # 2 x 3 (6 ranks) in the slow run: ~30 s on 2 cores
+    pytest.param(6, 3, "strided", marks=pytest.mark.slow), pytest.param(6, 3, "contiguous", marks=pytest.mark.slow)])
 def test_node_route_equals_flat(world, ranks_per_node, layout):
     vocab, dim = 23, 4  # 23 rows: divisible by no world size here
     results = run_ranks(fns.flat_vs_node, world, ranks_per_node, vocab, dim, CASES, layout)

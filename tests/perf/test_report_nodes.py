@@ -44,3 +44,15 @@ def test_node_exchange_against_flat():
     assert "step_met" not in other["translation/w4/1gbit_0.1ms"]
     # one rank per node: nothing to compare
     assert node_exchange_check([dict(r, ranks_per_node=1) for r in runs]) == {}
+
+
+def test_two_level_against_one_ring():
+    from embrace_fairseq.perf.bench.report import two_level_check
+
+    ring = _run_record("embrace_ring", [_rank([1.5] * 3, {"dense_grad": 75.0}, 1.0)] * 4, "lm", 4, LINK, None, 2)
+    two = _run_record("embrace_flat", [_rank([1.0] * 3, {"dense_grad": 25.0}, 1.0)] * 4, "lm", 4, LINK, None, 2)
+    c = two_level_check([ring, two])["lm/w4/1gbit_0.1ms"]
+    assert (c["ring_dense_inter_node_bytes"], c["two_level_dense_inter_node_bytes"]) == (150.0, 50.0)
+    assert c["ring_over_two_level_step"]["ratio"] == pytest.approx(1.5)
+    text = "\n".join(_nodes({"runs": [ring, two], "two_level": {"lm/w4/1gbit_0.1ms": c}}))
+    assert "two levels 0.00 MB / one ring 0.00 MB; one-ring step / two-level step 1.50x" in text

@@ -311,6 +311,11 @@ def build_embrace_flat(name: str, w: W.Workload, task: Any, data, counter: Colle
     return _embrace(name, w, task, data, {"exchange": "flat"}, trace_prefix)
 
 
+def build_embrace_ring(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                       trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"exchange": "flat", "two_level_allreduce": False}, trace_prefix)
+
+
 def build(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
           trace_prefix: Optional[str] = None) -> Strategy:
     """Build the registered strategy ``name`` (a collective: all ranks call it)."""

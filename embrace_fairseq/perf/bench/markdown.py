@@ -239,6 +239,12 @@ def _nodes(result: Dict[str, Any]) -> List[str]:
                  f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % paired bootstrap"
                  + ("" if "step_met" not in c else
                     f"; goal on this model: lower end at least 1.1: {'met' if c['step_met'] else 'MISSED'}") + ").")
+    for key, c in (result.get("two_level") or {}).items():
+        iv = c["ring_over_two_level_step"]
+        L.append(f"- {key}: the dense all-reduce's inter-node bytes per node and step, two levels "
+                 f"{c['two_level_dense_inter_node_bytes'] / 1e6:.2f} MB / one ring "
+                 f"{c['ring_dense_inter_node_bytes'] / 1e6:.2f} MB; one-ring step / two-level step "
+                 f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % paired bootstrap).")
     L.append("")
     return L
 

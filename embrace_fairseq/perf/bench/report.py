@@ -46,6 +46,8 @@ NODE_PAIR = ("embrace_flat", SPEEDUP_SUBJECT)
 NODE_BYTES_GOAL = 0.7  # the exchange's inter-node bytes, node-aware over flat
 NODE_STEP_GOAL = 1.1  # flat step over node-aware step, on the untied LM
 EXCHANGE_KINDS = ("counts", "ids", "rows", "grad_rows")
+# the dense all-reduce in one ring against two levels (both with the flat exchange)
+TWO_LEVEL_PAIR = ("embrace_ring", "embrace_flat")
 # exchange phases and the side of each that the shard layout decides (owners serve rows
 # in forward and receive gradient rows in backward)
 EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
@@ -248,6 +250,23 @@ def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per run key on several ranks per node where both ran: the dense all-reduce's
+    inter-node bytes per node and step in one ring (``embrace_ring``) and in two levels
+    (``embrace_flat``, the same otherwise), and the ring's step over the two-level one
+    with its paired interval (above 1: two levels are faster)."""
+    by = _by_key(runs)
+    out: Dict[str, Any] = {}
+    for (key, s), ring in by.items():
+        two = by.get((key, TWO_LEVEL_PAIR[1]))
+        if s != TWO_LEVEL_PAIR[0] or two is None or ring.get("ranks_per_node", 1) < 2:
+            continue
+        dense = [(r.get("inter_node_bytes_per_node_per_step") or {}).get("dense_grad", 0.0) for r in (ring, two)]
+        out[key] = {"ring_dense_inter_node_bytes": dense[0], "two_level_dense_inter_node_bytes": dense[1],
+                    "ring_over_two_level_step": paired_ratio_interval(ring["step_s"], two["step_s"])}
+    return out
+
+
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
     meta = dict(meta, bounds="perf.bounds.min_bytes_per_step")
@@ -298,7 +317,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
               "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
-              "nodes": node_exchange_check(runs),
+              "nodes": node_exchange_check(runs), "two_level": two_level_check(runs),
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     return result
