@@ -71,8 +71,9 @@ class EmbraceConfig:
     ranks_per_node: ranks on each node for the node-aware exchange (``None``:
         ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE``).
     two_level_allreduce: on several nodes of several ranks, all-reduce the dense pieces
-        in two levels on gloo (inside the node, across on the rails, inside again);
-        ``false``: one ring over all ranks.
+        in two levels on gloo (inside the node, across on the rails, inside again: less
+        across nodes). Default ``false`` (one ring over all ranks): on the emulated 2 x 2
+        cluster the ring was faster (results/bench/nodes_2x2_lm).
     """
 
     model_level: bool = True
@@ -92,7 +93,7 @@ class EmbraceConfig:
     live_queue: bool = False
     exchange: Optional[str] = None
     ranks_per_node: Optional[int] = None
-    two_level_allreduce: bool = True
+    two_level_allreduce: bool = False
 
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue",

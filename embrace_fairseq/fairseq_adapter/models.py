@@ -43,9 +43,11 @@ logger = logging.getLogger(__name__)
 LAYOUT_FLAG = "--embrace-shard-layout"
 LAYOUT_HELP = ("which rank owns which embedding row: strided (id v on rank v mod N, balances the exchange of a "
                "frequency-sorted dictionary) or contiguous (one id range per rank)")
-EXCHANGE_HELP = ("the route of embedding lookups: node (ids deduplicated per node before they cross to other "
-                 "nodes, rows fanned out inside the node), flat (every rank asks every owner), auto (node when "
-                 "the job has several nodes of several ranks each). Same results either way")
+EXCHANGE_HELP = ("the route of embedding lookups: flat (every rank asks every owner; the default), node (ids "
+                 "deduplicated per node before they cross to other nodes, rows fanned out inside the node), auto "
+                 "(node when the job has several nodes of several ranks each). Same results either way")
+TWO_LEVEL_HELP = ("with the 2D schedule on several nodes of several ranks (gloo): all-reduce the dense gradients "
+                  "in two levels (inside the node, across nodes, inside again) instead of one ring over all ranks")
 RANKS_PER_NODE_HELP = ("ranks on each node, for the node-aware exchange (default: EMBRACE_RANKS_PER_NODE, else "
                        "the launcher's LOCAL_WORLD_SIZE)")
 
@@ -96,7 +98,7 @@ class TableOptions:
     """How the token tables are sharded and looked up (the ``--embrace-*`` table flags)."""
 
     layout: str = DEFAULT_LAYOUT
-    exchange: str = "auto"
+    exchange: str = "flat"
     ranks_per_node: Optional[int] = None
 
 
@@ -111,7 +113,7 @@ def table_options_of(args: Any) -> TableOptions:
     rpn = safe_getattr(args, "embrace_ranks_per_node", None)
     return TableOptions(
         layout=check_layout(safe_getattr(args, "embrace_shard_layout", None) or DEFAULT_LAYOUT),
-        exchange=check_exchange(str(safe_getattr(args, "embrace_exchange", None) or "auto")),
+        exchange=check_exchange(str(safe_getattr(args, "embrace_exchange", None) or "flat")),
         ranks_per_node=int(rpn) if rpn else None,
     )
 
@@ -147,6 +149,7 @@ def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
     """
     model.embrace_schedule = str(safe_getattr(args, "embrace_schedule", None) or "on")
     model.embrace_trace = safe_getattr(args, "embrace_trace", None) or None
+    model.embrace_two_level = bool(safe_getattr(args, "embrace_two_level_allreduce", False))
     names = []
     for name, p in model.named_parameters(remove_duplicate=False):
         if is_sharded_param(p) and getattr(p, "_embrace_table")().is_sharded:
@@ -227,8 +230,9 @@ class EmbraceTransformerModel(TransformerModel):
         super().add_args(parser)
         parser.add_argument("--embrace-output", choices=OUTPUT_MODES, default=AUTO, help=OUTPUT_HELP)
         parser.add_argument(LAYOUT_FLAG, choices=list(LAYOUTS), default=DEFAULT_LAYOUT, help=LAYOUT_HELP)
-        parser.add_argument("--embrace-exchange", choices=list(EXCHANGES), default="auto", help=EXCHANGE_HELP)
+        parser.add_argument("--embrace-exchange", choices=list(EXCHANGES), default="flat", help=EXCHANGE_HELP)
         parser.add_argument("--embrace-ranks-per-node", type=int, metavar="N", default=None, help=RANKS_PER_NODE_HELP)
+        parser.add_argument("--embrace-two-level-allreduce", action="store_true", help=TWO_LEVEL_HELP)
         parser.add_argument(SCHEDULE_FLAG, choices=list(SCHEDULE_MODES), default="on", help=SCHEDULE_HELP)
         parser.add_argument(TRACE_FLAG, metavar="DIR", default=None, help=TRACE_HELP)
 
@@ -265,8 +269,9 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
     [("embrace_output", ChoiceEnum(list(OUTPUT_MODES)), field(default=AUTO, metadata={"help": OUTPUT_HELP})),
      ("embrace_shard_layout", ChoiceEnum(list(LAYOUTS)),
       field(default=DEFAULT_LAYOUT, metadata={"help": LAYOUT_HELP})),
-     ("embrace_exchange", ChoiceEnum(list(EXCHANGES)), field(default="auto", metadata={"help": EXCHANGE_HELP})),
+     ("embrace_exchange", ChoiceEnum(list(EXCHANGES)), field(default="flat", metadata={"help": EXCHANGE_HELP})),
      ("embrace_ranks_per_node", Optional[int], field(default=None, metadata={"help": RANKS_PER_NODE_HELP})),
+     ("embrace_two_level_allreduce", bool, field(default=False, metadata={"help": TWO_LEVEL_HELP})),
      ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP})),
      ("embrace_trace", Optional[str], field(default=None, metadata={"help": TRACE_HELP}))],
     bases=(TransformerLanguageModelConfig,),

@@ -61,10 +61,14 @@ class ScheduledDataParallel(nn.Module):
         module: the model (its sharded tables exchange their own rows).
         process_group: the data-parallel group fairseq gives its wrappers.
         options: the schedule's knobs (defaults: :class:`ScheduleOptions`).
+        trace: a directory for the per-rank Chrome traces (None: no trace).
+        two_level: on several nodes of several ranks, all-reduce in two levels
+            (``--embrace-two-level-allreduce``; see the executor).
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None,
-                 options: Optional[ScheduleOptions] = None, trace: Optional[str] = None) -> None:
+                 options: Optional[ScheduleOptions] = None, trace: Optional[str] = None,
+                 two_level: bool = False) -> None:
         super().__init__()
         self.module = module
         self.accumulate_grads = False
@@ -80,7 +84,8 @@ class ScheduledDataParallel(nn.Module):
         tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,
                                           active=self._reducing, gate=self.gate, tracer=self.tracer,
-                                          trace_backward=True, topology=job_topology(tables))
+                                          trace_backward=True, topology=job_topology(tables),
+                                          two_level=two_level)
         trace_tables(tables, self.tracer)
         scope_grad_exchanges(tables, self.gate, self._reducing)
         self._closed = False
@@ -145,7 +150,8 @@ def _distributed_model(original):
         if getattr(args, "tpu", False) or not wants_schedule(model):
             return original(args, model, process_group, device)
         trace = getattr(model, "embrace_trace", None)
-        return ModuleProxyWrapper(ScheduledDataParallel(model.to(device), process_group, trace=trace))
+        return ModuleProxyWrapper(ScheduledDataParallel(model.to(device), process_group, trace=trace,
+                                                        two_level=getattr(model, "embrace_two_level", False)))
 
     return wrap
 

@@ -188,22 +188,21 @@ register_strategy(
 )
 
 register_strategy(
-    "embrace_flat", label="(e-n) EmbRace, 2D schedule, flat exchange", short="EmbRace flat exchange",
-    aliases=("flat",),
-    description="(e) with the flat exchange: every rank asks every owner directly, so a row two ranks of one node "
-                "need crosses the inter-node link twice (the node-aware exchange's ablation; on one rank per node "
-                "the two are the same exchange)",
+    "embrace_node", label="(e-n) EmbRace, 2D schedule, node-aware exchange", short="EmbRace node-aware",
+    aliases=("node",),
+    description="(e) with the node-aware exchange: ids merged per node before they cross to other nodes, rows "
+                "fanned out and gradient rows summed inside the node (on one rank per node it is (e))",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
-    build=LazyRef(_BUILDERS, "build_embrace_flat"), shards_table=True,
+    build=LazyRef(_BUILDERS, "build_embrace_node"), shards_table=True,
 )
 
 register_strategy(
-    "embrace_ring", label="(e-nr) EmbRace, flat exchange, one-ring all-reduce", short="EmbRace one ring",
-    aliases=("ring",),
-    description="(e-n) with the dense pieces all-reduced in one ring over all ranks instead of in two levels "
-                "(the two-level all-reduce's ablation; on one rank per node the two are the same)",
+    "embrace_two_level", label="(e-2) EmbRace, 2D schedule, two-level all-reduce", short="EmbRace two-level",
+    aliases=("two_level",),
+    description="(e) with the dense pieces all-reduced in two levels (inside the node, across on the rails, "
+                "inside again) instead of one ring over all ranks (on one rank per node it is (e))",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
-    build=LazyRef(_BUILDERS, "build_embrace_ring"), shards_table=True,
+    build=LazyRef(_BUILDERS, "build_embrace_two_level"), shards_table=True,
 )
 
 register_strategy(

@@ -207,7 +207,8 @@ class ScheduledAllReduce:
             (:func:`~embrace_fairseq.core.collectives.all_reduce_two_level`; gloo's ring
             knows no nodes), on node and rail groups of their own (collective: created
             now). Also says which of the ledger's dense bytes leave the node.
-        two_level: allow the two-level all-reduce (False: one ring over all ranks).
+        two_level: use the two-level all-reduce where it applies (default False: one
+            ring over all ranks, which measured faster on the emulated 2 x 2 cluster).
     """
 
     def __init__(
@@ -226,7 +227,7 @@ class ScheduledAllReduce:
         trace_backward: bool = False,
         live_queue: bool = False,
         topology: Optional[NodeTopology] = None,
-        two_level: bool = True,
+        two_level: bool = False,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "embrace_"
 #: model-configuration keys that exist only on EmbRace architectures
-EMBRACE_KEYS = ("embrace_output", "embrace_shard_layout", "embrace_schedule", "embrace_trace")
+FLAG_PREFIX = "embrace_"  # the model options the EmbRace architectures add
 #: training state a model file for inference does not need (and whose numpy meters
 #: ``weights_only`` refuses)
 TRAINING_STATE = ("last_optimizer_state",)
@@ -60,8 +60,8 @@ def stock_model_cfg(model_cfg: Any) -> Dict[str, Any]:
     if not name or not str(name).startswith(PREFIX):
         raise ExportError(f"not an EmbRace architecture: {name!r} (expected embrace_transformer* or "
                           "embrace_transformer_lm*)")
-    for key in EMBRACE_KEYS:
-        out.pop(key, None)
+    for key in [k for k in out if k.startswith(FLAG_PREFIX)]:
+        out.pop(key)  # every --embrace-* flag: stock fairseq knows none of them
     for key in ("_name", "arch"):
         if key in out:
             out[key] = stock_name(out[key])

@@ -90,8 +90,9 @@ def test_topology_from_the_launcher(monkeypatch):
 
 @pytest.mark.slow  # ~50 s: 4 DeepSpeed ranks, twice
 def test_deepspeed_hook_with_the_node_exchange_trains_as_stock():
-    """The DeepSpeed "embrace" section's "exchange": "node" on 2 emulated nodes of 2 ranks:
-    the tied model trains as stock DeepSpeed does (losses and weights within 1e-5)."""
+    """The DeepSpeed "embrace" section's "exchange": "node" and "two_level_allreduce" on 2
+    emulated nodes of 2 ranks: the tied model trains as stock DeepSpeed does (losses and
+    weights within 1e-5)."""
     import rank_fns_deepspeed as D
 
     results = run_ranks(fns.deepspeed_node_run, 4, 4, 2, timeout_s=300, pg_timeout_s=120)

@@ -125,10 +125,12 @@ def test_same_training_as_stock_more(case, mt_data, lm_data, tmp_path):
 @pytest.mark.slow
 def test_node_aware_exchange_trains_as_stock(mt_data, lm_data, tmp_path):
     """4 ranks as 2 emulated nodes of 2 ranks: the node-aware exchange of a shared table
-    (ids deduplicated per node) trains as the stock model does."""
+    (ids deduplicated per node) and the two-level dense all-reduce train as the stock
+    model does."""
     case = ("translation", "transformer", 4, ["--share-all-embeddings"])
     ours = _run_case(case, mt_data, lm_data, tmp_path,
-                     ours_extra=["--embrace-exchange", "node", "--embrace-ranks-per-node", "2"])
+                     ours_extra=["--embrace-exchange", "node", "--embrace-ranks-per-node", "2",
+                                 "--embrace-two-level-allreduce"])
     assert "EmbRace exchange: node-aware, 2 nodes x 2 ranks" in ours.output, ours.output[-3000:]
 
 

@@ -91,7 +91,7 @@ def deepspeed_node_run(rank, world, steps, ranks_per_node):
     D._ds_env(rank, world)
     torch.set_num_threads(1)
     ref = D.train(rank, world, sharded=False, tied=True, steps=steps)
-    embrace = {"exchange": "node", "ranks_per_node": ranks_per_node}
+    embrace = {"exchange": "node", "ranks_per_node": ranks_per_node, "two_level_allreduce": True}
     ours = D.train(rank, world, sharded=True, tied=True, steps=steps, embrace=embrace)
     return {"ref": ref, "ours": ours, "node_aware": ours["node_aware"]}
 
@@ -117,7 +117,7 @@ def dense_two_level(rank, world, ranks_per_node):
         ledger = CommLedger()
         topology = NodeTopology(world, ranks_per_node if mode == "two_level" else world)
         reducer = ScheduledAllReduce(params, schedule, collectives.new_group(), ledger=ledger, topology=topology,
-                                     single_thread=False)
+                                     single_thread=False, two_level=True)
         x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
         model(x).square().sum().backward()
         reducer.finish()

@@ -15,8 +15,8 @@ def _rank(step_s, inter, wire):
 
 
 def _runs(flat_inter, node_inter, flat_steps, node_steps, model="lm"):
-    flat = _run_record("embrace_flat", [_rank(flat_steps, flat_inter, 400.0)] * 4, model, 4, LINK, None, 2)
-    node = _run_record("embrace_schedule", [_rank(node_steps, node_inter, 300.0)] * 4, model, 4, LINK, None, 2)
+    flat = _run_record("embrace_schedule", [_rank(flat_steps, flat_inter, 400.0)] * 4, model, 4, LINK, None, 2)
+    node = _run_record("embrace_node", [_rank(node_steps, node_inter, 300.0)] * 4, model, 4, LINK, None, 2)
     return [flat, node]
 
 
@@ -49,8 +49,8 @@ def test_node_exchange_against_flat():
 def test_two_level_against_one_ring():
     from embrace_fairseq.perf.bench.report import two_level_check
 
-    ring = _run_record("embrace_ring", [_rank([1.5] * 3, {"dense_grad": 75.0}, 1.0)] * 4, "lm", 4, LINK, None, 2)
-    two = _run_record("embrace_flat", [_rank([1.0] * 3, {"dense_grad": 25.0}, 1.0)] * 4, "lm", 4, LINK, None, 2)
+    ring = _run_record("embrace_schedule", [_rank([1.5] * 3, {"dense_allreduce": 75.0}, 1.0)] * 4, "lm", 4, LINK, None, 2)
+    two = _run_record("embrace_two_level", [_rank([1.0] * 3, {"dense_allreduce": 25.0}, 1.0)] * 4, "lm", 4, LINK, None, 2)
     c = two_level_check([ring, two])["lm/w4/1gbit_0.1ms"]
     assert (c["ring_dense_inter_node_bytes"], c["two_level_dense_inter_node_bytes"]) == (150.0, 50.0)
     assert c["ring_over_two_level_step"]["ratio"] == pytest.approx(1.5)

@@ -306,14 +306,14 @@ def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter:
     return _embrace(name, w, task, data, True, trace_prefix, shard_layout="contiguous")
 
 
-def build_embrace_flat(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+def build_embrace_node(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                        trace_prefix: Optional[str] = None) -> Strategy:
-    return _embrace(name, w, task, data, {"exchange": "flat"}, trace_prefix)
+    return _embrace(name, w, task, data, {"exchange": "node"}, trace_prefix)
 
 
-def build_embrace_ring(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
-                       trace_prefix: Optional[str] = None) -> Strategy:
-    return _embrace(name, w, task, data, {"exchange": "flat", "two_level_allreduce": False}, trace_prefix)
+def build_embrace_two_level(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                            trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"two_level_allreduce": True}, trace_prefix)
 
 
 def build(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

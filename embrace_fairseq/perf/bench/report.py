@@ -41,13 +41,13 @@ ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_n
             "embrace_relaxed")
 ABLATION_BASE = "embrace_fifo"
 FLOOR = "compute_floor"
-# node-aware exchange (the subject) against the flat one on several ranks per node
-NODE_PAIR = ("embrace_flat", SPEEDUP_SUBJECT)
+# the node-aware exchange against the flat one (the subject's) on several ranks per node
+NODE_PAIR = ("embrace_node", SPEEDUP_SUBJECT)
 NODE_BYTES_GOAL = 0.7  # the exchange's inter-node bytes, node-aware over flat
 NODE_STEP_GOAL = 1.1  # flat step over node-aware step, on the untied LM
 EXCHANGE_KINDS = ("counts", "ids", "rows", "grad_rows")
-# the dense all-reduce in one ring against two levels (both with the flat exchange)
-TWO_LEVEL_PAIR = ("embrace_ring", "embrace_flat")
+# the dense all-reduce in two levels against one ring (the subject's)
+TWO_LEVEL_PAIR = ("embrace_two_level", SPEEDUP_SUBJECT)
 # exchange phases and the side of each that the shard layout decides (owners serve rows
 # in forward and receive gradient rows in backward)
 EXCHANGE_PHASES = (("rows", "sent"), ("grad_rows", "received"))
@@ -225,16 +225,16 @@ def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, An
 
 
 def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per run key on several ranks per node where the flat exchange ran beside the
-    node-aware one (the subject): the exchange's inter-node bytes per node and step of
-    each, node-aware over flat (goal: at most :data:`NODE_BYTES_GOAL`), and the flat
-    step over the node-aware one with its paired interval (goal on the untied LM: lower
-    end at least :data:`NODE_STEP_GOAL`)."""
+    """Per run key on several ranks per node where the node-aware exchange ran beside the
+    subject (flat exchange): the exchange's inter-node bytes per node and step of each,
+    node-aware over flat (goal: at most :data:`NODE_BYTES_GOAL`), and the flat step over
+    the node-aware one with its paired interval (goal on the untied LM: lower end at
+    least :data:`NODE_STEP_GOAL`)."""
     by = _by_key(runs)
     out: Dict[str, Any] = {}
-    for (key, s), flat in by.items():
-        node = by.get((key, SPEEDUP_SUBJECT))
-        if s != NODE_PAIR[0] or node is None or flat.get("ranks_per_node", 1) < 2:
+    for (key, s), node in by.items():
+        flat = by.get((key, NODE_PAIR[1]))
+        if s != NODE_PAIR[0] or flat is None or node.get("ranks_per_node", 1) < 2:
             continue
         fb, nb = (sum((r.get("inter_node_bytes_per_node_per_step") or {}).get(k, 0.0) for k in EXCHANGE_KINDS)
                   for r in (flat, node))
@@ -252,16 +252,16 @@ def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per run key on several ranks per node where both ran: the dense all-reduce's
-    inter-node bytes per node and step in one ring (``embrace_ring``) and in two levels
-    (``embrace_flat``, the same otherwise), and the ring's step over the two-level one
+    inter-node bytes per node and step in two levels (``embrace_two_level``) and in one
+    ring (the subject, the same otherwise), and the ring's step over the two-level one
     with its paired interval (above 1: two levels are faster)."""
     by = _by_key(runs)
     out: Dict[str, Any] = {}
-    for (key, s), ring in by.items():
-        two = by.get((key, TWO_LEVEL_PAIR[1]))
-        if s != TWO_LEVEL_PAIR[0] or two is None or ring.get("ranks_per_node", 1) < 2:
+    for (key, s), two in by.items():
+        ring = by.get((key, TWO_LEVEL_PAIR[1]))
+        if s != TWO_LEVEL_PAIR[0] or ring is None or two.get("ranks_per_node", 1) < 2:
             continue
-        dense = [(r.get("inter_node_bytes_per_node_per_step") or {}).get("dense_grad", 0.0) for r in (ring, two)]
+        dense = [(r.get("inter_node_bytes_per_node_per_step") or {}).get("dense_allreduce", 0.0) for r in (ring, two)]
         out[key] = {"ring_dense_inter_node_bytes": dense[0], "two_level_dense_inter_node_bytes": dense[1],
                     "ring_over_two_level_step": paired_ratio_interval(ring["step_s"], two["step_s"])}
     return out
