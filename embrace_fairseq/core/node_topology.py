@@ -127,8 +127,8 @@ _GROUPS: Dict[Tuple[int, NodeTopology, str], Tuple[Any, Optional[NodeGroups]]] =
 
 
 def _launcher_disagrees(topology: NodeTopology, rank: int) -> bool:
-    """The launcher's nodes are ``topology``'s (``LOCAL_WORLD_SIZE`` ranks per node) but
-    its ``LOCAL_RANK`` is not where ``topology`` puts ``rank``. Nodes given otherwise
+    """The launcher's nodes are ``topology``'s (``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``
+    ranks per node) but its ``LOCAL_RANK`` is not where ``topology`` puts ``rank``. Nodes given otherwise
     (``EMBRACE_RANKS_PER_NODE``, ``--embrace-ranks-per-node``: emulated or described by
     hand) are taken as given."""
     local = os.environ.get("LOCAL_RANK", "").strip()
