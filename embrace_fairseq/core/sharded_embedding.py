@@ -259,8 +259,14 @@ class ShardedEmbedding(nn.Module):
         self.topology: Optional[NodeTopology] = None
         self._node_groups = None
         if self.is_sharded and (collectives.world_size(), collectives.rank()) == (self.world_size, self.rank):
-            self.topology = topology_for(self.world_size, ranks_per_node)
-            if self.exchange != "flat":
+            try:
+                self.topology = topology_for(self.world_size, ranks_per_node)
+            except ValueError:
+                if self.exchange != "flat":
+                    raise
+                # nodes of different sizes: the flat exchange needs no topology (the
+                # ledger then counts every byte as leaving the node)
+            if self.topology is not None and self.exchange != "flat":
                 self._node_groups = node_groups(self.topology)  # collective; None on one node
 
     def set_grad_exchange_scope(self, scope: Optional[Callable[[], ContextManager[None]]]) -> None:

@@ -55,8 +55,10 @@ def test_bad_input_stops_every_rank_of_every_node():
     """Ranks that disagree on the nodes all stop at construction; an invalid id on one
     rank stops every rank of both nodes, naming the id and the rank."""
     results = run_ranks(fns.bad_inputs, 4, 2, 3, timeout_s=120)
-    assert all(d is not None and "ranks per node" in d for d, _ in results), results
-    assert all(m is not None and "99" in m and "rank 3" in m for _, m in results), results
+    assert all(d is not None and "ranks per node" in d for d, _, _ in results), results
+    assert all(m is not None and "99" in m and "rank 3" in m for _, m, _ in results), results
+    # nodes the world does not fill: the flat exchange works without them, the node-aware one stops
+    assert all(u[0] is None and u[1] == (2, 2) and "do not fill nodes" in u[2] for _, _, u in results), results
 
 
 def test_launcher_numbering_is_checked(monkeypatch):

@@ -58,8 +58,28 @@ def flat_vs_node(rank, world, ranks_per_node, vocab, dim, cases, layout="strided
 
 
 def bad_inputs(rank, world, ranks_per_node, bad_rank):
-    """Both bad inputs in one job: ranks that disagree on the nodes, then an invalid id."""
-    return disagreeing_topology(rank, world), invalid_id(rank, world, ranks_per_node, bad_rank)
+    """The bad inputs in one job: ranks that disagree on the nodes, then an invalid id,
+    then nodes the world does not fill."""
+    return (disagreeing_topology(rank, world), invalid_id(rank, world, ranks_per_node, bad_rank),
+            unfilled_nodes(rank, world))
+
+
+def unfilled_nodes(rank, world):
+    """A launcher that says 3 ranks per node in a job of 4: the flat exchange needs no
+    nodes and works; the node-aware one stops at construction, on every rank."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    try:
+        flat = ShardedEmbedding(8, 2)
+        rows = flat(torch.tensor([1, 5])).shape
+        try:
+            ShardedEmbedding(8, 2, exchange="node")
+        except ValueError as e:
+            return (flat.topology, tuple(rows), str(e))
+        return (flat.topology, tuple(rows), None)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
 
 
 def invalid_id(rank, world, ranks_per_node, bad_rank):
