@@ -9,6 +9,7 @@ The in-process tests pin each fix on its own and run in a few seconds.
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import shutil
 import sys
@@ -228,6 +229,11 @@ def test_c10d_ddp_accepts_cpu_module_with_device_ids(tmp_path: Path) -> None:
         assert isinstance(ddp, DistributedDataParallel) and ddp.device_ids is None
         ddp(torch.randn(4, 3)).sum().backward()
         assert module.weight.grad is not None
+        # free DDP's reducer while its group is alive: a reducer collected after the group
+        # and its file store are gone can block in the group's destructor (seen once in a
+        # full run: the process stopped in ~ProcessGroupGloo joining its threads)
+        del ddp
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
