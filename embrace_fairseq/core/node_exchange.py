@@ -112,20 +112,14 @@ def _exchange(rows: torch.Tensor, out_counts: List[int], in_counts: List[int], g
 
 def _by_proxy(send_counts: List[int], groups: NodeGroups, device: torch.device) -> Tuple[torch.Tensor, List[int]]:
     """The permutation of the (owner-sorted) unique ids that groups them by the owner's
-    local index, and how many go to each proxy of the node."""
+    local index (then node, then id: a stable sort), and how many go to each proxy."""
     t = groups.topology
-    starts = [0]
-    for c in send_counts:
-        starts.append(starts[-1] + c)
-    pieces, node_send = [], [0] * t.ranks_per_node
-    for local in range(t.ranks_per_node):
-        for owner in t.rail_ranks(local):
-            c = send_counts[owner]
-            if c:
-                pieces.append(torch.arange(starts[owner], starts[owner] + c, device=device))
-                node_send[local] += c
-    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
-    return order, node_send
+    owners = torch.repeat_interleave(torch.arange(t.world_size, device=device),
+                                     torch.tensor(send_counts, dtype=torch.long, device=device))
+    local = torch.remainder(owners, t.ranks_per_node)
+    order = torch.sort(local * t.num_nodes + torch.div(owners, t.ranks_per_node, rounding_mode="floor"),
+                       stable=True).indices
+    return order, torch.bincount(local, minlength=t.ranks_per_node).tolist()
 
 
 def _header(counts: List[int], bad: Optional[Tuple[int, int]], device: torch.device) -> torch.Tensor:
