@@ -173,6 +173,18 @@ class Tracer:
             self._events.clear()
             self._unresolved.clear()
 
+    def take(self) -> List[Dict[str, Any]]:
+        """Every event so far, removed from the tracer (a caller that interleaves several
+        settings keeps each setting's events apart and puts them back with :meth:`extend`)."""
+        evs = self.events()
+        self.clear()
+        return evs
+
+    def extend(self, events: List[Dict[str, Any]]) -> None:
+        """Add events taken earlier (same tracer: their times share its origin)."""
+        with self._lock:
+            self._events.extend(events)
+
     def summary(self) -> Dict[str, Any]:
         """Bytes and time by kind, and how much communication time overlapped compute.
 

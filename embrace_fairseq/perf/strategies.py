@@ -53,6 +53,9 @@ class StrategySpec:
     cost: Callable[..., Any]  # simulator: (CostContext) -> Prediction
     build: Callable[..., Any]  # benchmark: (workload, task, data, counter, trace_prefix) -> bench Strategy
     shards_table: bool = False  # EmbRace: the table is vocab-sharded, its bytes come from the ledger
+    # EmbRace under DeepSpeed ZeRO: DeepSpeed reduces the dense gradients itself, so their
+    # bytes come from its counted collectives, not from EmbRace's ledger
+    dense_by_deepspeed: bool = False
 
 
 _REGISTRY: Dict[str, StrategySpec] = {}
@@ -66,14 +69,15 @@ def _key(name: str) -> str:
 def register_strategy(name: str, *, label: str, short: str, description: str,
                       volume: Callable[[V.StepTraffic], Dict[str, float]], cost: Callable[..., Any],
                       build: Callable[..., Any], aliases: Tuple[str, ...] = (),
-                      shards_table: bool = False) -> StrategySpec:
+                      shards_table: bool = False, dense_by_deepspeed: bool = False) -> StrategySpec:
     """Register a strategy under ``name`` (and its aliases); a name taken twice raises."""
     if _key(name) != name:
         raise ValueError(f"strategy names are lower case with underscores, got {name!r}")
     for n in (name, *(_key(a) for a in aliases)):
         if n in _REGISTRY or n in _ALIASES:
             raise ValueError(f"strategy name {n!r} is registered already")
-    spec = StrategySpec(name, label, short, description, tuple(aliases), volume, cost, build, shards_table)
+    spec = StrategySpec(name, label, short, description, tuple(aliases), volume, cost, build, shards_table,
+                        dense_by_deepspeed)
     _REGISTRY[name] = spec
     _ALIASES.update({_key(a): name for a in aliases})
     return spec
@@ -176,6 +180,16 @@ register_strategy(
                 "dense pieces during the backward input-near first, urgent gradient rows before deferred ones",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
     build=LazyRef(_BUILDERS, "build_embrace_schedule"), shards_table=True,
+)
+
+register_strategy(
+    "embrace_zero1", label="(e-z1) EmbRace on DeepSpeed ZeRO-1", short="EmbRace ZeRO-1", aliases=("ezero1",),
+    description="EmbRace's sharded tables and exchange with the dense layers under DeepSpeed ZeRO stage 1 as the "
+                "ZeRO baselines run it (overlap_comm, contiguous_gradients, 25 MB buckets): DeepSpeed reduces the "
+                "dense gradients after the backward, each rank steps its 1/N of the dense optimizer state and its "
+                "own table rows, the updated dense partitions all-gathered",
+    volume=V.embrace_zero_partitioned, cost=LazyRef(_EMBRACE_COSTS, "zero1"),
+    build=LazyRef(_BUILDERS, "build_embrace_zero1"), shards_table=True, dense_by_deepspeed=True,
 )
 
 register_strategy(

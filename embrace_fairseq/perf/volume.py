@@ -146,3 +146,16 @@ def embrace_exchange(step: StepTraffic) -> Dict[str, float]:
         out.update(vocab_parallel_output(step))
     out[K.DENSE_GRAD] = ring_allreduce_bytes(step.dense_bytes, n)
     return out
+
+
+def embrace_zero_partitioned(step: StepTraffic) -> Dict[str, float]:
+    """EmbRace with the dense layers under DeepSpeed ZeRO stage 1: the exchange (and the
+    tied output's traffic) of :func:`embrace_exchange`; the dense gradients as in
+    :func:`zero_partitioned`, each rank's partition reduce-scattered (``dense_grad``) and
+    the updated dense partitions all-gathered (``param_gather``). The table's rows are
+    stepped where they live: nothing of the table is gathered."""
+    n = step.world_size
+    out = embrace_exchange(step)
+    out[K.DENSE_GRAD] = ring_reduce_scatter_bytes(step.dense_bytes, n)
+    out[K.PARAM_GATHER] = ring_allgather_bytes(step.dense_bytes, n)
+    return out

@@ -151,3 +151,21 @@ def test_finished_async_collectives_are_not_kept(gloo1):
     assert alive <= 1, alive  # only the last one, still unresolved
     evs = tracer.events("comm")
     assert len(evs) == 50 and all(e["dur"] >= 0 for e in evs)
+
+
+def test_take_and_extend_keep_settings_apart():
+    """Events taken out for one setting and put back later give that setting's summary alone."""
+    from embrace_fairseq.core.trace import Tracer
+
+    t = Tracer()
+    t.compute("backward", 0.0, 100.0)
+    t.collective("dense_grad", 8, 10.0, 60.0)
+    first = t.take()
+    assert t.events() == [] and len(first) == 2
+    t.collective("dense_grad", 4, 200.0, 300.0)  # another setting: exposed, never hidden
+    second = t.take()
+    t.extend(first)
+    assert t.summary()["hidden_share"] == 1.0 and t.summary()["bytes_by_kind"] == {"dense_grad": 8}
+    t.clear()
+    t.extend(second)
+    assert t.summary()["hidden_share"] == 0.0

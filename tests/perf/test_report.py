@@ -32,7 +32,8 @@ def _result():
                           [2.0, 1.0]),
              _rank_record(1, {"fairseq_legacy_ddp": [2.0, 1.0], "embrace_schedule": [0.25, 1.5]}, embrace_bytes,
                           [2.0, 1.0])]
-    batches = SimpleNamespace(workload=SimpleNamespace(model_args=[]), ids=lambda step, rank: IDS[rank],
+    batches = SimpleNamespace(workload=SimpleNamespace(model_args=[], tables=("decoder.embed_tokens.weight",)),
+                              ids=lambda step, rank: IDS[rank], table_ids=lambda step, rank: [IDS[rank]],
                               target_tokens=lambda step, rank: 5)
     meta = {"mode": "quick", "command": "test", "wall_s": 1.0, "versions": {}, "fallback_loopback": True,
             "fallback_reason": "test", "machine": {"cpus": 2, "load_at_start": [0.0]},
@@ -67,3 +68,36 @@ def test_markdown_lists_every_run_with_its_label():
     assert "| (e) EmbRace, 2D schedule | 1.000 |" in md and "bytes/min" in md
     assert md.index("(a) fairseq legacy_ddp") < md.index("(e) EmbRace")  # registry order
     assert "![x.png](x.png)" in md and "FALLBACK" in md
+
+
+def test_two_tables_add_their_minimums_and_count_the_dense_layers_once():
+    """An encoder table and a decoder table (no sharing): each its own exchange, the
+    dense parameters all-reduced once; the stock all-reduce moves both tables."""
+    from embrace_fairseq.perf.bounds import min_bytes_per_step
+
+    dec_vocab, dec_ids = 12, {0: torch.tensor([1, 11]), 1: torch.tensor([1, 10, 3])}
+    ranks = [_rank_record(r, {"fairseq_legacy_ddp": [1.0, 1.0], "embrace_schedule": [1.0, 1.0]}, {"rows": 1.0},
+                          [2.0, 1.0]) for r in range(2)]
+    ranks[0]["compute_profile"]["tables"] = [{"name": "encoder.embed_tokens.weight", "vocab": VOCAB, "dim": DIM},
+                                             {"name": "decoder.embed_tokens.weight", "vocab": dec_vocab, "dim": DIM}]
+    batches = SimpleNamespace(
+        workload=SimpleNamespace(model_args=[], tables=("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")),
+        ids=lambda step, rank: torch.cat([IDS[rank], dec_ids[rank] + VOCAB]),
+        table_ids=lambda step, rank: [IDS[rank], dec_ids[rank]], target_tokens=lambda step, rank: 5)
+    meta = {"mode": "quick", "command": "test", "wall_s": 1.0, "versions": {}, "fallback_loopback": True,
+            "fallback_reason": "test", "machine": {"cpus": 2, "load_at_start": [0.0]},
+            "schedule": {"warmup": 0, "rounds": 1, "steps_per_round": 2, "interleaving": "-"}}
+    res = assemble(meta, [{"model": "toy2", "world_size": 2, "ranks": ranks}], {("toy2", 2): batches}, True)
+    runs = {r["strategy"]: r for r in res["runs"]}
+
+    def table_min(name, vocab, ids, dense):
+        return min_bytes_per_step(name, world_size=2, vocab=vocab, dim=DIM, dense_numel=dense,
+                                  ids_per_rank=[ids[0], ids[1]])["total"]
+
+    e = runs["embrace_schedule"]["min_bytes_per_rank_per_step"]
+    assert e == 440.0 + table_min("embrace_schedule", dec_vocab, dec_ids, 0)
+    # decoder table, strided: rank 0's ids 1 and 11 are rank 1's, rank 1's id 10 is rank 0's
+    assert table_min("embrace_schedule", dec_vocab, dec_ids, 0) > 0
+    ddp = runs["fairseq_legacy_ddp"]["min_bytes_per_rank_per_step"]
+    assert ddp == 560.0 + dec_vocab * DIM * 4  # ring all-reduce at 2 ranks: the payload once
+    assert res["profiles"]["toy2"]["unique_ids_per_rank"] == {"2": [6.0, 6.0]}

@@ -14,10 +14,11 @@ from embrace_fairseq.perf.simulator import Network, Prediction, Profile, predict
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
-         "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_nogate", "embrace_node",
+         "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1", "embrace_nogate", "embrace_node",
          "embrace_two_level", "embrace_next_forward", "embrace_relaxed", "embrace_contiguous", "compute_floor")
 FLOOR = "compute_floor"  # no communication: no bytes, step = compute
-ZERO = ("deepspeed_zero1", "deepspeed_zero2")  # reduce-scatter the gradients, all-gather the parameters
+# reduce-scatter the gradients, all-gather the parameters (EmbRace on ZeRO-1: the dense ones)
+ZERO = ("deepspeed_zero1", "deepspeed_zero2", "embrace_zero1")
 
 
 def _tiny_profile(tied=None):
@@ -28,7 +29,8 @@ def _tiny_profile(tied=None):
 
 def test_the_strategies_in_order():
     assert S.STRATEGIES == S.strategy_names() == NAMES
-    assert S.sharded_strategies() == ["embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_nogate",
+    assert S.sharded_strategies() == ["embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1",
+                                      "embrace_nogate",
                                       "embrace_node", "embrace_two_level", "embrace_next_forward", "embrace_relaxed", "embrace_contiguous"]
     assert S.SPEEDUP_SUBJECT in NAMES and S.REFERENCE in NAMES
 
@@ -172,3 +174,20 @@ def _name_comparisons(path: Path):
 def test_no_branching_on_strategy_names_in_the_package():
     found = [hit for p in sorted((REPO / "embrace_fairseq").rglob("*.py")) for hit in _name_comparisons(p)]
     assert found == []
+
+
+def test_embrace_on_zero1_is_the_exchange_plus_zero_on_the_dense_layers():
+    """(e-z1): the exchange's bytes of (e), the dense gradients reduce-scattered and the
+    dense parameters all-gathered (the table's rows stay where they are stepped)."""
+    ids = [torch.tensor([0, 1, 60]), torch.tensor([55, 3])]
+    kw = dict(world_size=2, vocab=100, dim=4, dense_numel=120, ids_per_rank=ids)
+    e, ez, z = (min_bytes_per_step(n, **kw) for n in ("embrace_schedule", "embrace_zero1", "deepspeed_zero1"))
+    for k in (K.COUNTS, K.IDS, K.ROWS, K.GRAD_ROWS):
+        assert ez[k] == e[k]
+    assert ez[K.DENSE_GRAD] == 120 * 4 / 2 and ez[K.PARAM_GATHER] == 120 * 4 / 2
+    assert K.TABLE_GRAD not in ez and z[K.PARAM_GATHER] == (100 * 4 + 120) * 4 / 2
+    # simulator: the same exchange, ZeRO-1's dense part without the table
+    prof = _tiny_profile()
+    pe, pz = predict(prof, "embrace_noschedule", 2, Network(1.0)), predict(prof, "embrace_zero1", 2, Network(1.0))
+    assert pz.detail["exchange_fwd_s"] == pe.detail["exchange_fwd_s"] > 0
+    assert pz.detail["allgather_s"] > 0 and pz.compute_s < pe.compute_s  # 1/N of the optimizer step

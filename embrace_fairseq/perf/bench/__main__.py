@@ -1,11 +1,14 @@
 """``python -m embrace_fairseq.perf.bench [--quick] [--out results/bench/<mode>]``
 
-Runs the five data-parallel strategies side by side on an emulated cluster (one
-network namespace per rank, rate-limited veth links; :mod:`.netem_cluster`), for the
-translation model and the large-vocabulary LM, on 2 and 4 ranks and the chosen link
-speeds, and writes ``bench.json``, ``report.md`` and plots to the output folder.
-``--cleanup`` removes namespaces a killed run left behind. Without namespaces
-(no root, no iproute2) it runs on loopback and says so.
+Runs data-parallel strategies side by side on an emulated cluster (one network
+namespace per rank or per node, rate-limited veth links; :mod:`.netem_cluster`), for
+the chosen models, rank counts and link speeds (strategies and link speeds interleaved
+round by round), and writes ``bench.json``, ``report.md`` and plots to the output
+folder. Quick mode: 2 and 4 ranks, 1 Gbit/s, every strategy, smaller LMs. Full mode
+(the default): the main models on 4 ranks at 1, 2.5 and 10 Gbit/s against the tuned
+baselines and the floor; ``scripts/bench_full.sh`` adds the IWSLT-shaped model and 8
+ranks and summarises all runs. ``--cleanup`` removes namespaces a killed run left
+behind. Without namespaces (no root, no iproute2) it runs on loopback and says so.
 """
 from __future__ import annotations
 
@@ -25,15 +28,24 @@ from embrace_fairseq.perf.strategies import STRATEGIES, canonical_strategy
 from embrace_fairseq.perf.bench import netem_cluster as NC
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+#: the full run's strategies: every stock baseline as its users tune it (fairseq's default
+#: backend c10d, DeepSpeed ZeRO-0/1/2, sparse all-gather), EmbRace at ZeRO-0 (the 2D
+#: schedule) and at ZeRO-1, and the compute-only floor
+FULL_STRATEGIES = ("fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
+                   "embrace_schedule", "embrace_zero1", "compute_floor")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.bench", description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="2 and 4 ranks, 1 Gbit/s, fewer steps, smaller LM")
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/bench/<quick|full>)")
-    p.add_argument("--models", default="lm,translation", help="comma list of: lm (untied LM), translation, gpt_lm (tied GPT-style LM, 32k BPE)")
-    p.add_argument("--worlds", default="2,4", help="comma list of rank counts")
-    p.add_argument("--gbit", default=None, help="comma list of link rates in Gbit/s (default 1 quick, 1,10 full)")
+    p.add_argument("--models", default=None,
+                   help="comma list of: lm (untied LM), translation (main-job model, tied), gpt_lm (tied GPT-style "
+                        "LM, 32k BPE), iwslt (transformer_iwslt_de_en, decoder tied) (default lm,translation quick; "
+                        "translation,gpt_lm,lm full)")
+    p.add_argument("--worlds", default=None, help="comma list of rank counts (default 2,4 quick; 4 full)")
+    p.add_argument("--gbit", default=None,
+                   help="comma list of link rates in Gbit/s, interleaved round by round (default 1 quick, 1,2.5,10 full)")
     p.add_argument("--ranks-per-node", type=int, default=1,
                    help="ranks per emulated node: the ranks of a node share its namespace (fast link), nodes are "
                         "joined by the shaped links (default 1: every rank a node of its own)")
@@ -41,7 +53,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--steps-per-round", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default=None,
+                   help="comma list of strategies (default: every one quick; the baselines, EmbRace at ZeRO-0 and "
+                        "ZeRO-1 and the floor full)")
     p.add_argument("--loopback", action="store_true", help="do not create namespaces: all ranks on loopback")
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per launch of the ranks")
@@ -50,12 +64,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     mode = "quick" if a.quick else "full"
     a.mode = mode
     a.out = a.out or REPO_ROOT / "results" / "bench" / mode
-    a.gbit = [float(x) for x in (a.gbit or ("1" if a.quick else "1,10")).split(",")]
+    a.gbit = [float(x) for x in (a.gbit or ("1" if a.quick else "1,2.5,10")).split(",")]
     a.rounds = a.rounds or (2 if a.quick else 4)
-    a.steps_per_round = a.steps_per_round or (4 if a.quick else 5)
+    a.steps_per_round = a.steps_per_round or (4 if a.quick else 3)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
-    a.models = [m for m in a.models.split(",") if m]
-    a.worlds = [int(x) for x in a.worlds.split(",")]
+    a.models = [m for m in (a.models or ("lm,translation" if a.quick else "translation,gpt_lm,lm")).split(",") if m]
+    a.worlds = [int(x) for x in (a.worlds or ("2,4" if a.quick else "4")).split(",")]
+    a.strategies = a.strategies or ",".join(STRATEGIES if a.quick else FULL_STRATEGIES)
     uneven = [w for w in a.worlds if a.ranks_per_node < 1 or w % a.ranks_per_node]
     if uneven:
         p.error(f"--ranks-per-node {a.ranks_per_node} does not divide the rank counts {uneven}")
@@ -159,6 +174,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
 
     t_start = time.time()
+    from embrace_fairseq.perf.provenance import source_state
+
+    source = source_state(REPO_ROOT)  # now: the ranks import the tree as it is when they start
     why_not = "--loopback given" if a.loopback else NC.namespaces_available()
     loopback = why_not is not None
     if loopback:
@@ -194,12 +212,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from embrace_fairseq.perf.bench.report import assemble, write_outputs
 
-    from embrace_fairseq.perf.provenance import source_state
-
     meta = {
         "mode": a.mode, "command": "python -m embrace_fairseq.perf.bench " + " ".join(argv if argv is not None
                                                                                      else sys.argv[1:]),
-        "source": source_state(REPO_ROOT),
+        "source": source,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
         "versions": _versions(), "fallback_loopback": loopback, "fallback_reason": why_not,
         "topology": {"ranks_per_node": a.ranks_per_node},
@@ -207,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "link": {"gbit": a.gbit, "latency_ms": a.latency_ms,
                  "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},
         "schedule": {"warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
-                     "interleaving": "every strategy steps_per_round steps per round, order rotated each round"},
+                     "interleaving": "every round visits every link speed and on it every strategy for steps_per_round "
+                                     "steps; both orders rotated each round"},
         "threads_per_rank": 1, "wall_s": None,
     }
     batches = {(r["model"], r["world_size"]): build_task_and_batches(workloads(a.quick)[r["model"]], r["world_size"],

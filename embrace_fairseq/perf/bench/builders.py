@@ -204,7 +204,8 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, ze
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.stock_arch, task, data)
     if sparse:
-        table = model.encoder.embed_tokens if w.name == "translation" else model.decoder.embed_tokens
+        # the table no output projection reads (a tied one's gradient is dense anyway)
+        table = model.encoder.embed_tokens if w.is_translation else model.decoder.embed_tokens
         table.sparse = True
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     zero = {"stage": zero_stage, **ZERO_TUNING} if zero_stage else None
@@ -217,10 +218,11 @@ FIFO_OVERLAP = {"model_level": False, "tensor_level": False}
 
 
 def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_prefix: Optional[str],
-             shard_layout: Optional[str] = None) -> Strategy:
+             shard_layout: Optional[str] = None, zero_stage: int = 0) -> Strategy:
     """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on
     (``schedule`` True), off (False) or set by these ``"embrace"`` keys (a dict);
-    ``shard_layout``: the ``"embrace"`` section's layout (None: the default)."""
+    ``shard_layout``: the ``"embrace"`` section's layout (None: the default);
+    ``zero_stage`` 1: the dense layers under ZeRO-1 with :data:`ZERO_TUNING`."""
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
 
@@ -233,7 +235,8 @@ def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_pre
     if shard_layout is not None:
         section["shard_layout"] = shard_layout
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(section, ROWS_PER_RANK))
+    zero = {"stage": zero_stage, **ZERO_TUNING} if zero_stage else None
+    engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(section, ROWS_PER_RANK, zero))
     return _on_deepspeed(name, model, criterion, engine, opt)
 
 
@@ -294,6 +297,11 @@ def build_embrace_schedule(name: str, w: W.Workload, task: Any, data, counter: C
 def build_embrace_next_forward(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                                trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, {"next_forward": True}, trace_prefix)
+
+
+def build_embrace_zero1(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                        trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, True, trace_prefix, zero_stage=1)
 
 
 def build_embrace_nogate(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

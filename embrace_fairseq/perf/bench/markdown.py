@@ -1,4 +1,5 @@
-"""``report.md`` of a benchmark result: setup, profiles, a table per run, the goal."""
+"""``report.md`` of a benchmark result: setup, profiles, a table per run, the goal, the
+simulator out of sample."""
 from __future__ import annotations
 
 import statistics
@@ -39,11 +40,11 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
     during = meta["machine"].get("load_during_run")
     L.append(f"Machine: {cpus} CPU cores, 1 torch thread per rank, load at start "
              f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_at_start'])}"
-             + (f", during the run {during['min']:.2f}-{during['max']:.2f} (1-minute load after each of "
-                f"{during['samples']} rounds)" if during else "") + ". "
+             + (f", during the run {during['min']:.2f}-{during['max']:.2f} (1-minute load, "
+                f"{during['samples']} samples: after every link of every round)" if during else "") + ". "
              + ("4 ranks oversubscribe the cores: compute is slower than on 4 real nodes." if cpus and cpus < 4 else ""))
     s = meta["schedule"]
-    L.append(f"Steps: {s['warmup']} warm-up, then {s['rounds']} rounds x {s['steps_per_round']} timed steps per strategy, "
+    L.append(f"Steps: {s['warmup']} warm-up, then {s['rounds']} rounds x {s['steps_per_round']} timed steps per strategy and link speed, "
              f"interleaved ({s['interleaving']}); step time = slowest rank's, after a barrier. "
              f"Bounds: {meta['bounds']}.")
     L.append("")
@@ -260,9 +261,48 @@ def _goal(result: Dict[str, Any]) -> List[str]:
     return L
 
 
+def _pct(x: Optional[float], signed: bool = False) -> str:
+    return "-" if x is None else (f"{100 * x:+.1f} %" if signed else f"{100 * x:.1f} %")
+
+
+def _error_row(model: str, link: str, s: Dict[str, Any]) -> str:
+    return (f"| {model} | {link} | {s['count']} | {_pct(s['mean_signed_rel_error'], True)} | "
+            f"{_pct(s['mean_abs_rel_error'])} | {_pct(s['max_abs_rel_error'])} |")
+
+
+def _simulator(result: Dict[str, Any]) -> List[str]:
+    """The simulator fitted on one model and link, its errors on every other run."""
+    sim = result.get("simulator")
+    if not sim:
+        return []
+    L = ["## Simulator, out of sample", ""]
+    if sim.get("error") or sim.get("skipped"):
+        L += [f"Not computed: {sim.get('error') or sim['skipped']}.", ""]
+        return L
+    f, k = sim["fitted_on"], sim["knobs"]
+    where = (f"**{f['model']}** at {f['link_gbit']:g} Gbit/s"
+             + (f", {f['world_size']} ranks" if "world_size" in f else "") + f" ({f['runs']} runs)")
+    L += [f"Network knobs fitted on {where} only: efficiency {k['efficiency']:.2f}, overhead "
+          f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte "
+          f"(in-sample mean |error| {_pct(sim['in_sample']['mean_abs_rel_error'])}). Compute comes from each "
+          "model's own measured profile; every other run is predicted with those knobs. Error = (predicted - "
+          "measured) / measured: negative where the simulator is too fast.", "",
+          "| model | link | runs | mean error | mean abs error | max abs error |", "|---|---|---|---|---|---|"]
+    for model, s in sim["by_model"].items():
+        links = [x for x in sim["by_model_link"] if x["model"] == model]
+        L += [_error_row(model, f"{x['link_gbit']:g} Gbit/s", x) for x in links]
+        if len(links) > 1:
+            L.append(_error_row(model, "all", s))
+    h = sim["held_out"]
+    L += ["", f"Held out: mean abs error {_pct(h['mean_abs_rel_error'])} over {h['count']} runs (mean "
+          f"{_pct(h['mean_signed_rel_error'], True)}); target at most "
+          f"{100 * sim['target_mean_abs_rel_error']:.0f} %: {'met' if sim['within_20pct'] else 'MISSED'}.", ""]
+    return L
+
+
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
     L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _ablation(result)
-    L += _nodes(result) + _goal(result)
+    L += _nodes(result) + _goal(result) + _simulator(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "

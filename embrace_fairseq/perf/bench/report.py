@@ -5,6 +5,7 @@ Per run (model, ranks, link, strategy): the step time of a step is the slowest r
 timed steps; tokens/s is all ranks' target tokens over the summed step times; bytes
 by kind are averaged over ranks and steps. The analytic minimum comes from
 :func:`embrace_fairseq.perf.bounds.min_bytes_per_step`, averaged over the same batches.
+The simulator is checked out of sample against the runs (:func:`simulator_check`).
 The tables (:mod:`.markdown`) and plots (:mod:`.plots`) are written from the result.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
-from embrace_fairseq.perf.bench.workloads import tied_output
+from embrace_fairseq.perf.bench.workloads import tied_tables
 from embrace_fairseq.perf.bench.stats import CONFIDENCE, faster, no_worse, paired_ratio_interval
 from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
@@ -97,22 +98,31 @@ def output_path(name: str, tied: bool, vocab: int, dim: int, tokens: List[int]) 
     return "vocab_parallel" if output_bytes(vocab, dim, tokens, smoothing=False).choose() == VOCAB_PARALLEL else "gather"
 
 
-def _min_bytes(name: str, world: int, prof: Dict[str, Any], ids: List[list], tied: bool,
+def _min_bytes(name: str, world: int, prof: Dict[str, Any], ids: List[List[List[Any]]], tied: List[bool],
                meta: Dict[str, Any], tokens: List[List[int]]) -> Optional[float]:
     """The analytic minimum of ``name`` averaged over the steps' ids (and target tokens);
-    None (said in meta) when unknown."""
+    ``ids[step][rank][table]``, ``tied[table]``: several token tables (an encoder's and a
+    decoder's) each add their own minimum, the dense parameters counted once; None (said
+    in meta) when unknown."""
     from embrace_fairseq.perf.bounds import min_bytes_per_step  # torch: imported when a report is assembled
 
     try:
-        totals = [min_bytes_per_step(name, world_size=world, vocab=prof["vocab"], dim=prof["dim"],
-                                     dense_numel=prof["dense_numel"], ids_per_rank=step_ids,
-                                     tied_output=output_path(name, tied, prof["vocab"], prof["dim"], step_tokens),
-                                     tokens_per_rank=step_tokens)["total"]
+        totals = [sum(min_bytes_per_step(name, world_size=world, vocab=t["vocab"], dim=t["dim"],
+                                         dense_numel=prof["dense_numel"] if ti == 0 else 0,
+                                         ids_per_rank=[rank_ids[ti] for rank_ids in step_ids],
+                                         tied_output=output_path(name, tied[ti], t["vocab"], t["dim"], step_tokens),
+                                         tokens_per_rank=step_tokens)["total"]
+                      for ti, t in enumerate(_tables(prof)))
                   for step_ids, step_tokens in zip(ids, tokens)]
     except Exception as exc:  # a strategy the bounds do not know: say so
         meta.setdefault("bounds_errors", {})[name] = f"{type(exc).__name__}: {exc}"
         return None
     return statistics.fmean(totals)
+
+
+def _tables(prof: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The profile's token tables (profiles of one table did not list them)."""
+    return prof.get("tables") or [{"vocab": prof["vocab"], "dim": prof["dim"]}]
 
 
 def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: int, link: Dict[str, float],
@@ -283,19 +293,22 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         prof = ranks[0].get("compute_profile", {})
         pm = profiles.setdefault(model, {"vocab": prof["vocab"], "dim": prof["dim"], "dense_numel": prof["dense_numel"],
                                          "dense_layers": prof["dense_layers"], "_compute": [],
-                                         "_tokens": [], "unique_ids_per_rank": {}})
+                                         "_tokens": [], "_paths": [], "unique_ids_per_rank": {}})
         pm["_compute"].append(prof["compute_s"])
         b = batches[(model, world)]
-        tied = tied_output(b.workload)  # the output projection reads the table
+        tied = tied_tables(b.workload)  # per table: does the output projection read it
+        out_table = _tables(prof)[-1]  # the one a tied output projection reads
         for li, link_rec in enumerate(ranks[0]["links"]):
             link = link_rec["link"]
             names = list(link_rec["strategies"])
             steps = link_rec["strategies"][names[0]]["batch_steps"]
-            ids = [[b.ids(s, r) for r in range(world)] for s in steps]
+            ids = [[b.table_ids(s, r) for r in range(world)] for s in steps]
             tokens = [[b.target_tokens(s, r) for r in range(world)] for s in steps]
-            if li == 0:
+            pm["_paths"] += [output_path(SPEEDUP_SUBJECT, tied[-1], out_table["vocab"], out_table["dim"], t)
+                             for t in tokens]
+            if li == 0:  # over all tables, in one id space (the simulator's view)
                 pm["unique_ids_per_rank"][str(world)] = [
-                    statistics.fmean(float(ids[i][r].unique().numel()) for i in range(len(steps))) for r in range(world)]
+                    statistics.fmean(float(b.ids(s, r).unique().numel()) for s in steps) for r in range(world)]
             losses = {}
             for name in names:
                 per_rank = [rk["links"][li]["strategies"][name] for rk in ranks]
@@ -313,6 +326,9 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         comp = pm.pop("_compute")
         pm["compute_s"] = {k: statistics.median(c[k] for c in comp) for k in ("forward", "backward", "optimizer")}
         pm["tokens_per_rank"] = int(round(statistics.fmean(pm.pop("_tokens"))))
+        # for the simulator: how EmbRace's automatic choice read a tied table in most steps
+        # (None: untied); a run's own recorded bytes say it per world size
+        pm["tied_output"] = statistics.mode(pm.pop("_paths") or [None])
     intervals = _ratio_intervals(runs)
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
@@ -320,7 +336,20 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
               "nodes": node_exchange_check(runs), "two_level": two_level_check(runs),
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
+    result["simulator"] = simulator_check(result)
     return result
+
+
+def simulator_check(result: Dict[str, Any]) -> Dict[str, Any]:
+    """The simulator out of sample on this result's runs: network knobs fitted on one model
+    and link, every other run predicted (:func:`...simulator.validation.out_of_sample`).
+    A failure is recorded in its place: it never costs the measured result."""
+    try:
+        from embrace_fairseq.perf.simulator.validation import out_of_sample
+
+        return out_of_sample(result)
+    except Exception as exc:  # noqa: BLE001  (whatever the simulator raises, the measurements are kept)
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def goal_check(result: Dict[str, Any]) -> Dict[str, Any]:

@@ -4,10 +4,11 @@ Started by :mod:`embrace_fairseq.perf.bench.__main__` inside the rank's network 
 (``ip netns exec``) with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` and
 ``GLOO_SOCKET_IFNAME`` set; ``python -m embrace_fairseq.perf.bench.worker SPEC.json``.
 
-For each link setting: rank 0 reshapes the links (between barriers), every strategy
-takes ``warmup`` steps, then ``rounds`` rounds in which every strategy takes
-``steps_per_round`` timed steps (the order rotates each round, so machine noise and
-the link's state hit all strategies alike). Each timed step starts after a barrier.
+Every strategy takes ``warmup`` steps on the first link, then ``rounds`` rounds: in each,
+every link setting in turn (rank 0 reshapes the links between barriers) and on it every
+strategy takes ``steps_per_round`` timed steps; both orders rotate each round, so machine
+noise and drift hit all strategies and link speeds alike. Each timed step starts after a
+barrier.
 The rank writes ``rank<N>.json``: per strategy and link the step times, losses, bytes
 by kind (EmbRace's ledger; the counted collectives for the stock paths), the bytes
 its NIC sent (``tx_bytes`` in its namespace) and, for EmbRace, the trace summary.
@@ -77,14 +78,15 @@ def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any) -> Dict
     return built
 
 
-def _set_link(spec: Dict[str, Any], li: int, link: Any, rank: int, world: int) -> None:
-    """Rank 0 reshapes the links between barriers (the first link is set at creation)."""
+def _set_link(spec: Dict[str, Any], link: Any, rank: int, world: int, initial: bool = False) -> None:
+    """Rank 0 reshapes the links between barriers (``initial``: the link the cluster was
+    created with, nothing to change)."""
     import torch.distributed as dist
 
     from embrace_fairseq.perf.bench.netem_cluster import Cluster, RankPlacement
 
     dist.barrier()
-    if li > 0 and rank == 0 and not spec["loopback"]:
+    if not initial and rank == 0 and not spec["loopback"]:
         c = Cluster(world, spec["cluster"]["tag"], False, ranks=[RankPlacement(**p) for p in spec["placement"]],
                     switch_ns=spec["cluster"]["switch_ns"], ranks_per_node=spec.get("ranks_per_node", 1))
         c.set_link(link)
@@ -137,6 +139,8 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
     n = max(1, rec["steps"])
     if get_strategy(name).shards_table:  # EmbRace's ledger
         by_kind = {k: v / n for k, v in rec["bytes"].items()}
+        if get_strategy(name).dense_by_deepspeed:  # plus what DeepSpeed's ZeRO sent itself
+            by_kind.update({k: by_kind.get(k, 0.0) + v / n for k, v in _deepspeed_share(rec).items()})
     else:  # the counted collectives of the stock paths
         by_kind = {}
         for k, v in rec["counted"].items():
@@ -145,13 +149,16 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
     entry = {"step_s": rec["step_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
              "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
              "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
-             "tokens": rec["tokens"], "batch_steps": rec["batch_steps"]}
+             "tokens": rec["tokens"], "batch_steps": rec["batch_steps"], "rounds": rec["rounds"]}
     if get_strategy(name).shards_table:  # the exchange's owner side is received in backward
         entry["bytes_received_by_kind"] = {k: v / n for k, v in rec["received"].items()}
         # what left the rank's node (the ledger knows the nodes from the launcher's view)
         entry["inter_node_bytes_by_kind"] = {k: v / n for k, v in rec["inter_node"].items()}
     hook = built[name].hook
     if hook is not None:
+        # this link's events only: the rounds visit every link, each keeps its own
+        hook.tracer.clear()
+        hook.tracer.extend(rec["trace_events"])
         summ = hook.tracer.summary()
         entry["trace_summary"] = summ
         entry["hidden_share"] = summ.get("hidden_share")
@@ -162,29 +169,63 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
     return entry
 
 
-def _measure_link(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, counter: Any,
-                  tx_path: str, link: Any, world: int, load: List[float]) -> Dict[str, Dict[str, Any]]:
-    """Warm-up, then the rounds (order rotated each round); a record per strategy. The
-    machine's 1-minute load average is appended to ``load`` after every round."""
+def _deepspeed_share(rec: Dict[str, Any]) -> Dict[str, float]:
+    """The bytes DeepSpeed's own collectives sent (ZeRO's reduction and parameter
+    all-gather) under an EmbRace strategy: every counted collective less what EmbRace's
+    ledger recorded (both count one rank's bytes by the same ring formulas; EmbRace
+    never calls ``all_gather_into_tensor``, so that op is all DeepSpeed's)."""
+    counted = sum(rec["counted"].values())
+    gather = rec["counted"].get("all_gather_into_tensor", 0.0)
+    reduction = counted - gather - sum(rec["bytes"].values())
+    return {_STOCK_KINDS["all_gather_into_tensor"]: gather, _STOCK_KINDS["all_reduce"]: max(0.0, reduction)}
+
+
+def _record() -> Dict[str, Any]:
+    return {"step_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {}, "wire": 0.0,
+            "steps": 0, "batch_steps": [], "tokens": 0, "rounds": [], "trace_events": []}
+
+
+def _rotated(items: List[Any], r: int) -> List[Any]:
+    return items[r % len(items):] + items[:r % len(items)]
+
+
+def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, counter: Any,
+             tx_path: str, links: List[Any], world: int) -> List[Dict[str, Any]]:
+    """Warm-up on the first link, then the rounds: in each round every link (order rotated
+    each round) and on it every strategy (order rotated each round) takes its timed steps,
+    so the machine's drift hits every link and strategy alike. A record per link and
+    strategy; the machine's 1-minute load average after every link of every round."""
     from embrace_fairseq.core.ledger import global_ledger
 
+    _set_link(spec, links[0], rank, world, initial=True)
+    _log(rank, f"warm-up on {links[0].label()}")
     for name in spec["strategies"]:
         s = built[name]
         for _ in range(spec["warmup"]):
             s.step(batches.get(s.steps_done, rank), batches.get(s.steps_done + 1, rank) if s.looks_ahead else None)
-    per = {n: {"step_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {}, "wire": 0.0,
-               "steps": 0, "batch_steps": [],
-               "tokens": 0} for n in spec["strategies"]}
     for s in built.values():
         if s.hook is not None:
             s.hook.tracer.clear()
     names = list(spec["strategies"])
+    per = {(li, n): _record() for li in range(len(links)) for n in names}
+    load: Dict[int, List[float]] = {li: [] for li in range(len(links))}
+    current = 0
     for r in range(spec["rounds"]):
-        _log(rank, f"link {link.label()}: round {r + 1}/{spec['rounds']} (peak RSS {_peak_rss_mb():.0f} MB)")
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            _timed_steps(spec, built[name], per[name], batches, rank, counter, global_ledger(), tx_path)
-        load.append(os.getloadavg()[0])
-    return {name: _entry(spec, name, per[name], built, link, world) for name in names}
+        for li in _rotated(list(range(len(links))), r):
+            if li != current:
+                _set_link(spec, links[li], rank, world)
+                current = li
+            _log(rank, f"round {r + 1}/{spec['rounds']}, link {links[li].label()} (peak RSS {_peak_rss_mb():.0f} MB)")
+            for name in _rotated(names, r):
+                rec = per[(li, name)]
+                rec["rounds"].extend([r] * spec["steps_per_round"])
+                _timed_steps(spec, built[name], rec, batches, rank, counter, global_ledger(), tx_path)
+                if built[name].hook is not None:
+                    rec["trace_events"].extend(built[name].hook.tracer.take())
+            load[li].append(os.getloadavg()[0])
+    return [{"link": {"gbit": l.gbit, "latency_ms": l.latency_ms},
+             "strategies": {n: _entry(spec, n, per[(li, n)], built, l, world) for n in names},
+             "load_1min": load[li]} for li, l in enumerate(links)]
 
 
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -211,13 +252,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     tx_path = RankPlacement(**spec["placement"][rank]).tx_bytes_path()
     results: Dict[str, Any] = {"rank": rank, "world_size": world, "build_s": build_s, "links": []}
     with counting(counter):
-        for li, link_d in enumerate(spec["links"]):
-            link = LinkSpec(**link_d)
-            _set_link(spec, li, link, rank, world)
-            _log(rank, f"link {link.label()}: warm-up")
-            load: List[float] = []
-            strategies = _measure_link(spec, built, batches, rank, counter, tx_path, link, world, load)
-            results["links"].append({"link": link_d, "strategies": strategies, "load_1min": load})
+        results["links"] = _measure(spec, built, batches, rank, counter, tx_path,
+                                    [LinkSpec(**d) for d in spec["links"]], world)
     # compute profile: one process at a time, no communication (rank 0; the others wait)
     dist.barrier()
     if rank == 0:
@@ -253,15 +289,17 @@ def _profile(built, batches, spec, w) -> Dict[str, Any]:
         t3 = time.perf_counter()
         if i > 0:
             fwd.append(t1 - t0), bwd.append(t2 - t1), st.append(t3 - t2)
-    table = W.token_table_name(w)
     params = dict(model.named_parameters())
+    tables = [{"name": t, "vocab": int(params[t].shape[0]), "dim": int(params[t].shape[1])} for t in w.tables]
     return {
         "compute_s": {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
                       "optimizer": statistics.median(st)},
         "dense_layers": W.dense_layers(model, w),
-        "dense_numel": int(sum(p.numel() for n, p in params.items() if n != table)),
-        "vocab": int(params[table].shape[0]),
-        "dim": int(params[table].shape[1]),
+        "dense_numel": int(sum(p.numel() for n, p in params.items() if n not in w.tables)),
+        # the tables as one (the simulator's view: all rows sharded, one id space)
+        "vocab": sum(t["vocab"] for t in tables),
+        "dim": tables[0]["dim"],
+        "tables": tables,
     }
 
 

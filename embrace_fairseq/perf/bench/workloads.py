@@ -43,6 +43,21 @@ class Workload:
     tokens_per_sample: int = 0
     criterion: str = "cross_entropy"
 
+    @property
+    def is_translation(self) -> bool:
+        return "translation" in self.task_args
+
+    @property
+    def tables(self) -> Tuple[str, ...]:
+        """The token tables' parameter names, the encoder's first: one when the model shares
+        a table between its lookups (an LM, ``--share-all-embeddings``), else the encoder's
+        and the decoder's (each its own exchange)."""
+        if not self.is_translation:
+            return ("decoder.embed_tokens.weight",)
+        if "--share-all-embeddings" in self.model_args:
+            return ("encoder.embed_tokens.weight",)
+        return ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
 
 TRANSLATION_MODEL = (
     "--encoder-layers", "2", "--decoder-layers", "2",
@@ -52,6 +67,12 @@ TRANSLATION_MODEL = (
     "--share-all-embeddings", "--dropout", "0.0",
 )
 
+
+# fairseq's transformer_iwslt_de_en (6+6 layers, d=512, ffn 1024, 4 heads) with its decoder
+# table tied to the output projection, as its IWSLT'14 recipe trains it; the encoder
+# keeps a table of its own (two exchanges per step)
+IWSLT_MODEL = ("--share-decoder-input-output-embed", "--dropout", "0.0")
+IWSLT_TOKENS = 256  # per rank: the 6+6-layer model at 8 ranks on a few cores must fit the run
 
 GPT_BPE_VOCAB = 32000  # sentencepiece pieces of the GPT-style LM's vocabulary
 LM_SAMPLE = 128  # tokens per sample of both LMs
@@ -77,6 +98,11 @@ def workloads(quick: bool) -> Dict[str, Workload]:
             ("--task", "language_modeling"),
             tokens_per_rank=4 * LM_SAMPLE, tokens_per_sample=LM_SAMPLE, criterion="adaptive_loss",
         ),
+        "iwslt": Workload(
+            "iwslt", "transformer_iwslt_de_en", "embrace_transformer_iwslt_de_en", IWSLT_MODEL,
+            ("--task", "translation", "--source-lang", "de", "--target-lang", "en"),
+            tokens_per_rank=128 if quick else IWSLT_TOKENS,
+        ),
         "gpt_lm": Workload(
             "gpt_lm", "transformer_lm", "embrace_transformer_lm",
             (*decoder, "--share-decoder-input-output-embed"),
@@ -87,8 +113,15 @@ def workloads(quick: bool) -> Dict[str, Workload]:
 
 
 def tied_output(w: Workload) -> bool:
-    """Does the output projection read the token table (tied embeddings)?"""
+    """Does the output projection read a token table (tied embeddings)?"""
     return any(f in w.model_args for f in ("--share-all-embeddings", "--share-decoder-input-output-embed"))
+
+
+def tied_tables(w: Workload) -> List[bool]:
+    """Per token table (:attr:`Workload.tables` order): does the output projection read it?
+    Only the last one can be (the decoder's, or the one table all lookups share)."""
+    n = len(w.tables)
+    return [tied_output(w) and i == n - 1 for i in range(n)]
 
 
 # ---------------------------------------------------------------------- fairseq arguments, task, model
@@ -98,7 +131,7 @@ def fairseq_args(w: Workload, arch: str, data: Path) -> Any:
     import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers embrace_* archs, CPU fixes)
     from fairseq import options
 
-    data_dir = data / ("deen/bin" if w.name == "translation" else "lm/bin")
+    data_dir = data / ("deen/bin" if w.is_translation else "lm/bin")
     argv = [str(data_dir), *w.task_args, "--arch", arch, *w.model_args, "--cpu", "--seed", "1",
             "--criterion", w.criterion]
     if w.tokens_per_sample:
@@ -227,7 +260,7 @@ class Batches:
 
     def get(self, step: int, rank: int) -> Dict[str, Any]:
         w = self.workload
-        if w.name == "translation":
+        if w.is_translation:
             idx = self._batches[(step * self.world_size + rank) % len(self._batches)]
             return self._pairs.collater([self._pairs[i] for i in idx])
         n_blocks = w.tokens_per_rank // w.tokens_per_sample
@@ -244,18 +277,27 @@ class Batches:
         """Target tokens of the batch (the positions its loss is computed on)."""
         return int(self.get(step, rank)["ntokens"])
 
-    def ids(self, step: int, rank: int) -> torch.Tensor:
-        """Every id the batch looks up in the token table (one exchange per step)."""
+    def table_ids(self, step: int, rank: int) -> List[torch.Tensor]:
+        """Per token table (:attr:`Workload.tables` order) every id the batch looks up in it
+        (one exchange per table and step)."""
         b = self.get(step, rank)
         parts = [b["net_input"]["src_tokens"].reshape(-1)]
         if "prev_output_tokens" in b["net_input"]:
             parts.append(b["net_input"]["prev_output_tokens"].reshape(-1))
-        return torch.cat(parts)
+        return parts if len(self.workload.tables) == len(parts) else [torch.cat(parts)]
+
+    def ids(self, step: int, rank: int) -> torch.Tensor:
+        """Every id the batch looks up, over all tables: the decoder table's shifted past the
+        encoder's when they are two (one id space of all rows, for id statistics)."""
+        parts = self.table_ids(step, rank)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([parts[0], parts[1] + len(self.task.source_dictionary)])
 
 
 def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: Path) -> Batches:
     """Dictionaries (the fairseq task stand-in) and the batch source."""
-    if w.name == "translation":
+    if w.is_translation:
         from fairseq.data import Dictionary, LanguagePairDataset, data_utils
 
         d = data / "deen" / "bin"
@@ -305,15 +347,15 @@ def build_criterion(w: Workload, task: Any):
 
 
 def token_table_name(w: Workload) -> str:
-    return "encoder.embed_tokens.weight" if w.name == "translation" else "decoder.embed_tokens.weight"
+    """The first token table (the only one unless the encoder and decoder have their own)."""
+    return w.tables[0]
 
 
 def dense_layers(model: torch.nn.Module, w: Workload) -> List[Dict[str, Any]]:
     """Replicated parameters grouped by layer, in registration (= forward) order."""
-    table = token_table_name(w)
     groups: "collections.OrderedDict[str, int]" = collections.OrderedDict()
     for name, p in model.named_parameters():
-        if name == table:
+        if name in w.tables:
             continue
         parts = name.split(".")
         key = ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ".".join(parts[:-1])

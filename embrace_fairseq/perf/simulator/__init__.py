@@ -22,12 +22,12 @@ from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.simulator.sparse_loads import SparseLoads, sparse_loads, zipf_tokens_for_unique
-from embrace_fairseq.perf.simulator.validation import FIT_GRID, fit_network, runs_and_profiles, validate
+from embrace_fairseq.perf.simulator.validation import FIT_GRID, fit_network, out_of_sample, runs_and_profiles, validate
 from embrace_fairseq.perf.strategies import STRATEGIES, canonical_strategy
 
 __all__ = [
     "CostContext", "FIT_GRID", "HEADER_BYTES_PER_PEER", "Network", "Options", "Prediction", "Profile", "STRATEGIES",
     "SparseLoads", "canonical_strategy", "fit_network", "fit_zipf_exponent", "measure_translation_profile",
-    "paper_profiles", "paper_study", "predict", "runs_and_profiles", "sparse_loads", "validate",
+    "out_of_sample", "paper_profiles", "paper_study", "predict", "runs_and_profiles", "sparse_loads", "validate",
     "zipf_tokens_for_unique",
 ]

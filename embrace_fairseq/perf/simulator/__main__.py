@@ -1,6 +1,8 @@
 """``python -m embrace_fairseq.perf.simulator validate|paper|measure``.
 
 ``validate BENCH_JSON [--fit]``: prediction error against a bench JSON's measured runs;
+``validate BENCH_JSON --out-of-sample [--fit-on MODEL:GBIT]``: knobs fitted on one model
+and link, every other run predicted with them;
 ``paper [--out results/simulator/]``: 8 to 64 GPUs for the paper's models;
 ``measure``: time the stock translation Transformer on this CPU (a profile JSON).
 """
@@ -10,12 +12,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from embrace_fairseq.perf.simulator.measure import measure_translation_profile
-from embrace_fairseq.perf.simulator.paper import markdown, paper_study, plot
+from embrace_fairseq.perf.simulator.paper import latency_sensitivity, markdown, paper_study, plot
 from embrace_fairseq.perf.simulator.profile import Options
-from embrace_fairseq.perf.simulator.validation import fit_network, validate
+from embrace_fairseq.perf.simulator.validation import fit_network, out_of_sample, validate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +37,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="model the relaxed deferral of gradient rows (a design the exchange does not implement yet)")
     v.add_argument("--fit", action="store_true",
                    help="also fit efficiency, per-collective overhead and host cost per byte (with held-out errors)")
+    v.add_argument("--out-of-sample", action="store_true",
+                   help="fit the network knobs on one model and link only, predict every other run with them "
+                        "(the knobs given above are not used)")
+    v.add_argument("--fit-on", type=_fit_on, metavar="MODEL:GBIT",
+                   help="with --out-of-sample: the runs to fit on (default: the first model, its lowest link)")
     v.add_argument("--out", help="write the comparison JSON here")
-    p = sub.add_parser("paper", help="8-64 GPU projection of the paper's models")
+    p = sub.add_parser("paper", help="8-64 GPU projection of the paper's models (as built, every stock baseline)")
     p.add_argument("--out", default="results/simulator/")
     m = sub.add_parser("measure", help="time the stock translation Transformer on this CPU (a profile JSON)")
     m.add_argument("--data", default="data/deen/bin")
@@ -77,11 +84,72 @@ def _print_validation(res: dict) -> None:
         print(f"mean |error| of the speedups: {100 * res['speedup_mean_abs_rel_error']:.1f}%")
 
 
+def _fit_on(text: str) -> Tuple[str, float]:
+    """``MODEL:GBIT`` (the model name may hold colons; the link is after the last one)."""
+    model, sep, gbit = text.rpartition(":")
+    try:
+        if not (sep and model):
+            raise ValueError
+        return model, float(gbit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MODEL:GBIT, got {text!r}") from None
+
+
+def _pct(x: Optional[float], signed: bool = False) -> str:
+    return "-" if x is None else (f"{100 * x:+.1f}%" if signed else f"{100 * x:.1f}%")
+
+
+def _print_out_of_sample(res: dict) -> None:
+    if res["skipped"]:
+        print(f"out of sample: nothing predicted ({res['skipped']})")
+        return
+    f, k = res["fitted_on"], res["knobs"]
+    where = f"{f['model']} at {f['link_gbit']:g} Gbit/s" + (f", {f['world_size']} ranks" if "world_size" in f else "")
+    print(f"fitted on {where} ({f['runs']} runs): efficiency {k['efficiency']:.2f}, overhead "
+          f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte; "
+          f"in-sample mean |error| {_pct(res['in_sample']['mean_abs_rel_error'])}; compute from {res['compute']}")
+    print(f"{'model':12s} {'N':>3s} {'Gbit':>5s} {'strategy':20s} {'measured':>9s} {'predicted':>9s} "
+          f"{'error':>7s}  set")
+    for r in res["runs"]:
+        print(f"{r['model']:12s} {r['world_size']:3d} {r['link_gbit']:5g} {r['strategy']:20s} "
+              f"{r['measured_s']:9.4f} {r['predicted_s']:9.4f} {100 * r['rel_error']:+6.1f}%  "
+              f"{'held out' if r['held_out'] else 'fit'}")
+    print("held out, per model and link (error = (predicted - measured) / measured):")
+    print(f"{'model':12s} {'Gbit':>5s} {'runs':>4s} {'mean':>7s} {'mean |e|':>8s} {'max |e|':>8s}")
+    for m, s in res["by_model"].items():
+        links = [x for x in res["by_model_link"] if x["model"] == m]
+        # a model's own line where it has several links
+        for g in links + ([dict(s, link_gbit=None)] if len(links) > 1 else []):
+            link = "all" if g["link_gbit"] is None else f"{g['link_gbit']:g}"
+            print(f"{m:12s} {link:>5s} {g['count']:4d} {_pct(g['mean_signed_rel_error'], True):>7s} "
+                  f"{_pct(g['mean_abs_rel_error']):>8s} {_pct(g['max_abs_rel_error']):>8s}")
+    print(f"held out: mean |error| {_pct(res['held_out_mean_abs_rel_error'])} over {res['held_out']['count']} runs "
+          f"(mean signed {_pct(res['held_out']['mean_signed_rel_error'], True)}): "
+          + ("within" if res["within_20pct"] else "NOT within")
+          + f" the {100 * res['target_mean_abs_rel_error']:.0f} % target")
+
+
+def _write_json(res: dict, out: Optional[str]) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2))
+
+
 def _validate(a: argparse.Namespace) -> int:
     with open(a.bench_json) as fh:
         bench = json.load(fh)
     tied = dict(x.split("=", 1) for x in a.tied_output)
     opts = Options(defer_rows=a.defer_rows)
+    if a.out_of_sample:
+        try:
+            oos = out_of_sample(bench, fit_on=a.fit_on, tied=tied, opts=opts,
+                                oversubscription=not a.no_oversubscription)
+        except ValueError as exc:  # e.g. --fit-on names no run of the bench
+            print(f"out of sample: {exc}", file=sys.stderr)
+            return 2
+        _print_out_of_sample(oos)
+        _write_json(oos, a.out)
+        return 1 if oos["skipped"] else 0
     res = validate(bench, efficiency=a.efficiency, overhead_s=a.overhead_ms / 1e3,
                    host_s_per_byte=a.host_ns_per_byte * 1e-9, tied=tied, opts=opts,
                    oversubscription=not a.no_oversubscription)
@@ -95,9 +163,7 @@ def _validate(a: argparse.Namespace) -> int:
               f"host {1e9 * f['host_s_per_byte']:.0f} ns per byte; mean |error| "
               f"{100 * f['in_sample_mean_abs_rel_error']:.1f}% in sample"
               + "".join(f", {100 * e:.1f}% holding out each {k}" for k, e in f["holdout"].items()))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
+    _write_json(res, a.out)
     return 0
 
 
@@ -105,6 +171,7 @@ def _paper(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     study = paper_study()
+    study["latency_sensitivity"] = latency_sensitivity()
     (out / "paper_projection.json").write_text(json.dumps(study, indent=2))
     md = markdown(study)
     (out / "paper_projection.md").write_text(md)

@@ -5,6 +5,8 @@ function takes a :class:`~.prediction.CostContext` and returns a prediction.
 """
 from __future__ import annotations
 
+from typing import Dict, Optional
+
 from embrace_fairseq.perf.simulator.link import Job, dense_specs, flat_buckets, ready_times, run_link
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.schedule.plan import TensorSpec, make_buckets
@@ -34,15 +36,20 @@ def floor(ctx: CostContext) -> Prediction:
     return ctx.not_overlapped(0.0, {})
 
 
-def _zero(ctx: CostContext, during_backward: bool) -> Prediction:
+def zero_cost(ctx: CostContext, during_backward: bool, with_table: bool = True, blocking_s: float = 0.0,
+              detail: Optional[Dict[str, float]] = None) -> Prediction:
     """DeepSpeed ZeRO as the baselines run it: gradient buckets all-reduced (DeepSpeed's
     default reduction), after the backward (stage 1) or in readiness order during it
     (stage 2, ``overlap_comm``); each rank steps 1/N of the optimizer state; the updated
-    partitions all-gathered in buckets."""
+    partitions all-gathered in buckets. ``with_table`` False: the table is not DeepSpeed's
+    (EmbRace's shards); ``blocking_s``: other communication the step waits for, not
+    overlapped (EmbRace's exchange), with its parts in ``detail``."""
+    if during_backward and not with_table:
+        raise ValueError("ZeRO-2 is modelled with the table only: sharded tables run at ZeRO stage 0 or 1")
     e, n, net = ctx.profile.element_size, ctx.world_size, ctx.net
     F, B, O = ctx.forward_s, ctx.backward_s, ctx.optimizer_s / max(1, n)
     cap = ctx.opts.zero_bucket_numel
-    numels = [ctx.table_numel] + ctx.dense_numels
+    numels = ([ctx.table_numel] if with_table else []) + ctx.dense_numels
     gather = sum(net.allgather(b * e, n) for b in flat_buckets(numels, cap))
     if during_backward:
         specs = [TensorSpec("embed_tokens", ctx.table_numel, e, 0)] + dense_specs(ctx.profile, False)
@@ -56,18 +63,19 @@ def _zero(ctx: CostContext, during_backward: bool) -> Prediction:
     else:
         reduce = sum(net.allreduce(b * e, n) for b in flat_buckets(numels, cap))
         reduce_end = F + B + reduce
-    step = reduce_end + O + gather
-    comm = reduce + gather
+    step = reduce_end + blocking_s + O + gather
+    comm = reduce + gather + blocking_s
     compute = F + B + O  # the optimizer's share of this rank: 1/N of the state
-    return Prediction(ctx.strategy, n, step, compute, comm, step - compute, {"allreduce_s": reduce, "allgather_s": gather})
+    return Prediction(ctx.strategy, n, step, compute, comm, step - compute,
+                      dict(detail or {}, allreduce_s=reduce, allgather_s=gather))
 
 
 def zero1(ctx: CostContext) -> Prediction:
-    return _zero(ctx, during_backward=False)
+    return zero_cost(ctx, during_backward=False)
 
 
 def zero2(ctx: CostContext) -> Prediction:
-    return _zero(ctx, during_backward=True)
+    return zero_cost(ctx, during_backward=True)
 
 
 def c10d(ctx: CostContext) -> Prediction:

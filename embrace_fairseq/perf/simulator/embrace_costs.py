@@ -162,3 +162,16 @@ def _overlapped(ctx: CostContext, fifo: bool) -> Prediction:
     comm = sum(j.duration for j in link.jobs) + t.vocab_parallel_fwd_s + t.vocab_parallel_bwd_s
     detail = dict(t.detail(), deferred_share=1 - share, busiest_rows=ctx.loads.busiest_rows)
     return ctx.prediction(step, comm, step - ctx.compute_s, detail)
+
+
+def zero1(ctx: CostContext) -> Prediction:
+    """EmbRace's exchange with the dense layers under DeepSpeed ZeRO-1: the exchange and the
+    tied output's collectives block as without the schedule (the executor does not run:
+    DeepSpeed reduces the dense gradients); the dense part costs what ZeRO-1's does
+    without the table."""
+    from embrace_fairseq.perf.simulator.allreduce_costs import zero_cost
+
+    t = traffic(ctx)
+    blocking = (t.exchange_s + t.grad_rows_s + t.table_gather_s + t.table_grad_s
+                + t.vocab_parallel_fwd_s + t.vocab_parallel_bwd_s)
+    return zero_cost(ctx, during_backward=False, with_table=False, blocking_s=blocking, detail=t.detail())

@@ -14,8 +14,9 @@ class Profile:
     ``dense_layers`` are in forward order (input first), every replicated parameter
     except the token table. ``tied_output``: ``None``, ``"gather"`` (the output
     projection reads the full table through an all-gather, its gradient a
-    reduce-scatter: what the EmbRace models do) or ``"vocab_parallel"`` (activations
-    exchanged instead, docs/DESIGN.md; a cost model only, not a training path).
+    reduce-scatter) or ``"vocab_parallel"`` (hidden states and softmax statistics
+    exchanged instead, docs/DESIGN.md); EmbRace's models choose between the two per
+    step from the token counts.
     """
 
     name: str
@@ -93,7 +94,7 @@ class Options:
     embrace_bucket_bytes: int = 4 << 20  # ScheduleOptions defaults
     embrace_piece_bytes: int = 1 << 20
     defer_rows: bool = True  # relaxed embedding dependency
-    shard_layout: str = "contiguous"  # ShardPlan; "strided" is a what-if
+    shard_layout: str = "strided"  # ShardPlan layout, the EmbRace default; "contiguous" the alternative
     # tied output (gather): as built, the all-gather runs when the output projection
     # does and the reduce-scatter inside the backward; True models them prefetched /
     # deferred to the optimizer (a what-if)

@@ -1,7 +1,9 @@
-"""The model against measured runs: prediction errors (:func:`validate`) and a fit of
-the network knobs with held-out errors (:func:`fit_network`), from a bench JSON."""
+"""The model against measured runs: prediction errors (:func:`validate`), a fit of the
+network knobs with held-out errors (:func:`fit_network`) and an out-of-sample check
+fitted on one model and link (:func:`out_of_sample`), from a bench JSON."""
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -11,11 +13,12 @@ import numpy as np
 from embrace_fairseq.perf.simulator.network import Network
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.profile import Options, Profile
-from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, canonical_strategy
+from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, canonical_strategy, get_strategy
 
 FIT_GRID = {
     "efficiency": (0.5, 0.75, 1.0),
-    "overhead_s": (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3),
+    # up to tens of ms: ranks that share cores wait for each other at every collective
+    "overhead_s": (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3),
     "host_s_per_byte": (0.0, 1e-9, 2e-9, 4e-9, 6e-9, 8e-9, 12e-9, 16e-9),
 }
 
@@ -27,12 +30,37 @@ def runs_and_profiles(bench: dict) -> Tuple[Dict[str, Profile], List[dict]]:
     profiles = {name: Profile.from_json(name, d) for name, d in bench["profiles"].items()}
     runs = list(bench["runs"])
     for name, prof in profiles.items():
-        # a profile that does not say: runs that all-gathered the table had a tied output
-        if "tied_output" not in bench["profiles"][name] and any(
-            r.get("model") == name and (r.get("bytes_per_rank_per_step") or {}).get("table_gather", 0) > 0 for r in runs
-        ):
-            prof.tied_output = "gather"
+        # a profile that does not say: runs that all-gathered the table (or the hidden
+        # states, the vocab-parallel path) had a tied output
+        paths = {recorded_output_path(r) for r in runs if r.get("model") == name} - {None}
+        if "tied_output" not in bench["profiles"][name] and paths:
+            prof.tied_output = "gather" if "gather" in paths else "vocab_parallel"
     return profiles, runs
+
+
+# the ledger's byte kinds that show how a run read a tied output table, first match wins
+_OUTPUT_KINDS = (("table_gather", "gather"), ("hidden_gather", "vocab_parallel"))
+
+
+def recorded_output_path(run: dict) -> Optional[str]:
+    """How a run read a tied output table, from the bytes it recorded: ``"gather"`` (the
+    table all-gathered), ``"vocab_parallel"`` (the hidden states all-gathered) or None."""
+    by_kind = run.get("bytes_per_rank_per_step") or {}
+    for kind, path in _OUTPUT_KINDS:
+        if by_kind.get(kind, 0) > 0:
+            return path
+    return None
+
+
+def _run_profile(run: dict, prof: Profile, strategy: str) -> Profile:
+    """The profile as this run used it: the automatic output choice depends on the world
+    size, so a sharding run's recorded path overrides the tied profile's."""
+    path = recorded_output_path(run)
+    if prof.tied_output is None or path in (None, prof.tied_output) or not get_strategy(strategy).shards_table:
+        return prof
+    run_prof = copy.copy(prof)  # shallow: shares the cached sparse loads
+    run_prof.tied_output = path
+    return run_prof
 
 
 def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1.0, overhead_s: float = 0.0,
@@ -52,8 +80,10 @@ def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1
 
 
 def _predict_run(run: dict, profiles: Dict[str, Profile], knobs: Dict[str, float], opts: Options,
-                 latency_applied: bool, cpus: int, oversubscription: bool) -> Optional[Dict[str, Any]]:
-    """One measured run against its prediction; None when it cannot be predicted."""
+                 latency_applied: bool, cpus: int, oversubscription: bool,
+                 recorded_path: bool = True) -> Optional[Dict[str, Any]]:
+    """One measured run against its prediction; None when it cannot be predicted.
+    ``recorded_path``: the output path the run recorded overrides the profile's."""
     if run.get("median_step_s") is None or run.get("model") not in profiles:
         return None
     try:
@@ -70,7 +100,9 @@ def _predict_run(run: dict, profiles: Dict[str, Profile], knobs: Dict[str, float
         host_s_per_byte=knobs["host_s_per_byte"],
         contention=share,
     )
-    pred = predict(profiles[run["model"]], strategy, n, net, opts, compute_scale=share)
+    prof = profiles[run["model"]]
+    pred = predict(_run_profile(run, prof, strategy) if recorded_path else prof, strategy, n, net, opts,
+                   compute_scale=share)
     measured = float(run["median_step_s"])
     steps = [float(x) for x in run.get("step_s") or []]
     # the run's own spread (interquartile range over the median): a noise floor
@@ -113,7 +145,9 @@ def validate_parsed(profiles: Dict[str, Profile], runs: List[dict], meta: dict, 
         if name not in profiles:
             raise ValueError(f"--tied-output names the unknown model {name!r}")
         profiles[name].tied_output = None if mode == "none" else mode
-    rows = [row for row in (_predict_run(run, profiles, knobs, opts, latency_applied, cpus, oversubscription)
+    # a model whose output was forced keeps it in every run
+    rows = [row for row in (_predict_run(run, profiles, knobs, opts, latency_applied, cpus, oversubscription,
+                                         run.get("model") not in (tied or {}))
                             for run in runs) if row is not None]
     errs = [abs(r["rel_error"]) for r in rows]
     speedups = _speedups(rows)
@@ -136,6 +170,37 @@ def validate_parsed(profiles: Dict[str, Profile], runs: List[dict], meta: dict, 
     }
 
 
+class _KnobSearch:
+    """The grid search over the network knobs: the profiles parsed once (their sparse
+    loads cached) and each grid point's predictions of every run computed once."""
+
+    def __init__(self, bench: dict, tied: Optional[Dict[str, str]], opts: Options,
+                 grid: Dict[str, Sequence[float]], oversubscription: bool) -> None:
+        self.profiles, self.runs = runs_and_profiles(bench)
+        self.meta = bench.get("meta", {})
+        self.tied, self.opts, self.grid, self.oversubscription = tied, opts, grid, oversubscription
+        self.combos: List[tuple] = list(itertools.product(*grid.values()))
+        self._cache: Dict[tuple, dict] = {}
+
+    def knobs(self, k: tuple) -> Dict[str, float]:
+        return dict(zip(self.grid, k))
+
+    def result(self, k: tuple) -> dict:
+        if k not in self._cache:
+            knobs = dict(self.knobs(k), latency_floor_s=0.0)
+            self._cache[k] = validate_parsed(self.profiles, self.runs, self.meta, knobs, self.tied, self.opts,
+                                             self.oversubscription)
+        return self._cache[k]
+
+    def mean_err(self, k: tuple, keep: Callable[[dict], bool]) -> float:
+        errs = [abs(r["rel_error"]) for r in self.result(k)["runs"] if keep(r)]
+        return float(np.mean(errs)) if errs else float("inf")
+
+    def best(self, keep: Callable[[dict], bool]) -> tuple:
+        """The grid point of least mean relative error over the runs ``keep`` selects."""
+        return min(self.combos, key=lambda k: self.mean_err(k, keep))
+
+
 def fit_network(bench: dict, *, tied: Optional[Dict[str, str]] = None, opts: Options = Options(defer_rows=False),
                 holdouts: Sequence[str] = ("link_gbit", "model"), grid: Dict[str, Sequence[float]] = FIT_GRID,
                 oversubscription: bool = True) -> dict:
@@ -145,34 +210,122 @@ def fit_network(bench: dict, *, tied: Optional[Dict[str, str]] = None, opts: Opt
     the runs with each value of it are predicted by knobs fitted on the other runs (an
     out-of-sample error: e.g. 10 Gbit/s predicted from knobs fitted at 1 Gbit/s).
     """
-    profiles, runs = runs_and_profiles(bench)  # parsed once: their sparse loads are cached
-    meta = bench.get("meta", {})
-    cache: Dict[tuple, dict] = {}
-
-    def result(k: tuple) -> dict:
-        if k not in cache:
-            knobs = dict(zip(grid, k), latency_floor_s=0.0)
-            cache[k] = validate_parsed(profiles, runs, meta, knobs, tied, opts, oversubscription)
-        return cache[k]
-
-    def mean_err(k: tuple, keep) -> float:
-        errs = [abs(r["rel_error"]) for r in result(k)["runs"] if keep(r)]
-        return float(np.mean(errs)) if errs else float("inf")
-
-    combos = list(itertools.product(*grid.values()))
-
-    def best(keep) -> tuple:
-        return min(combos, key=lambda k: mean_err(k, keep))
-
-    k = best(lambda r: True)
-    out = dict(zip(grid, k), in_sample_mean_abs_rel_error=mean_err(k, lambda r: True), holdout={})
+    search = _KnobSearch(bench, tied, opts, grid, oversubscription)
+    k = search.best(lambda r: True)
+    out = dict(search.knobs(k), in_sample_mean_abs_rel_error=search.mean_err(k, lambda r: True), holdout={})
     for field_name in holdouts:
-        values = sorted({r[field_name] for r in result(k)["runs"]})
+        values = sorted({r[field_name] for r in search.result(k)["runs"]})
         if len(values) < 2:
             continue
         held = []
         for v in values:
-            kv = best(lambda r, v=v: r[field_name] != v)
-            held += [abs(r["rel_error"]) for r in result(kv)["runs"] if r[field_name] == v]
+            kv = search.best(lambda r, v=v: r[field_name] != v)
+            held += [abs(r["rel_error"]) for r in search.result(kv)["runs"] if r[field_name] == v]
         out["holdout"][field_name] = float(np.mean(held))
     return out
+
+
+# the out-of-sample check's target: held-out runs predicted within 20 % on average
+OUT_OF_SAMPLE_TARGET = 0.20
+
+
+def error_summary(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Mean signed, mean and max absolute relative error of prediction rows, and their count."""
+    errs = [float(r["rel_error"]) for r in rows]
+    return {"count": len(errs), "mean_signed_rel_error": _mean_or_none(errs),
+            "mean_abs_rel_error": _mean_or_none(np.abs(errs).tolist()),
+            "max_abs_rel_error": _mean_or_none(np.abs(errs).tolist(), np.max)}
+
+
+def _default_fit_on(rows: Sequence[Dict[str, Any]], model_order: Sequence[str]) -> Tuple[str, float]:
+    """The first model (in the bench's profiles order) with predicted runs, at its lowest link."""
+    model = next(m for m in model_order if any(r["model"] == m for r in rows))
+    return model, min(r["link_gbit"] for r in rows if r["model"] == model)
+
+
+def _fit_selection(rows: Sequence[Dict[str, Any]], fit_on: Tuple[str, float]) -> Dict[str, Any]:
+    """The runs the knobs are fitted on, as field values: the (model, link) pair, narrowed
+    to its lowest world size when the pair is all there is (else nothing is held out)."""
+    model, gbit = fit_on
+    sel: Dict[str, Any] = {"model": model, "link_gbit": float(gbit)}
+    chosen = [r for r in rows if _selected(r, sel)]
+    if not chosen:
+        raise ValueError(f"no predicted run of model {model!r} at {float(gbit):g} Gbit/s to fit on")
+    if len(chosen) == len(rows):
+        sel["world_size"] = min(r["world_size"] for r in chosen)
+    return sel
+
+
+def _selected(row: Dict[str, Any], sel: Dict[str, Any]) -> bool:
+    return all(row[k] == v for k, v in sel.items())
+
+
+def _grouped_summaries(rows: Sequence[Dict[str, Any]]) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """:func:`error_summary` per model, and per (model, link) in model then link order."""
+    by_model: Dict[str, List[Dict[str, Any]]] = {}
+    by_link: Dict[Tuple[str, float], List[Dict[str, Any]]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], []).append(r)
+        by_link.setdefault((r["model"], r["link_gbit"]), []).append(r)
+    per_link = [dict(model=m, link_gbit=g, **error_summary(rs))
+                for (m, g), rs in sorted(by_link.items(), key=lambda kv: (list(by_model).index(kv[0][0]), kv[0][1]))]
+    return {m: error_summary(rs) for m, rs in by_model.items()}, per_link
+
+
+def _not_held_out(reason: str) -> Dict[str, Any]:
+    """An out-of-sample result with nothing predicted, and why."""
+    return {"skipped": reason, "runs": [], "by_model": {}, "by_model_link": [], "held_out": error_summary([]),
+            "held_out_mean_abs_rel_error": None, "target_mean_abs_rel_error": OUT_OF_SAMPLE_TARGET,
+            "within_20pct": None}
+
+
+def out_of_sample(bench: dict, *, fit_on: Optional[Tuple[str, float]] = None, tied: Optional[Dict[str, str]] = None,
+                  opts: Options = Options(defer_rows=False), grid: Dict[str, Sequence[float]] = FIT_GRID,
+                  oversubscription: bool = True) -> dict:
+    """Fit the network knobs on the runs of one (model, link) pair; predict every other run.
+
+    Fitted and profiled: the three network knobs (efficiency, overhead per collective,
+    host seconds per byte: :func:`fit_network`'s grid) come from the ``fit_on`` runs only,
+    while every model's compute comes from its own measured profile (the bench's
+    single-process forward, backward and optimizer times); so a held-out model, or link,
+    is predicted from its profile and knobs that never saw it. ``fit_on`` is (model,
+    link Gbit/s); by default the first model of the bench's profiles at its lowest link.
+    Where that pair is every run (one model, one link) the fit takes its lowest world size
+    only; with a single world size too, nothing is held out and the result says so.
+
+    Errors are (predicted - measured) / measured, negative where the model predicts too
+    fast; summaries per model and per (model, link) cover the held-out runs, and
+    ``within_20pct`` says whether their mean absolute error is at most 20 %.
+    """
+    meta = bench.get("meta", {})
+    if meta.get("fallback_loopback"):
+        return _not_held_out(f"runs on loopback ({meta.get('fallback_reason')}), no emulated links")
+    search = _KnobSearch(bench, tied, opts, grid, oversubscription)
+    # which runs can be predicted does not depend on the knobs: any grid point tells
+    rows = search.result(search.combos[0])["runs"]
+    if not rows:
+        return _not_held_out("no measured run the simulator can predict")
+    sel = _fit_selection(rows, fit_on or _default_fit_on(rows, list(bench["profiles"])))
+    if all(_selected(r, sel) for r in rows):
+        return _not_held_out(f"one model, one link and one world size: nothing to hold out from {sel}")
+    k = search.best(lambda r: _selected(r, sel))
+    fitted = search.result(k)
+    runs = [dict(r, held_out=not _selected(r, sel)) for r in fitted["runs"]]
+    held = [r for r in runs if r["held_out"]]
+    by_model, by_model_link = _grouped_summaries(held)
+    held_summary = error_summary(held)
+    return {
+        "skipped": None,
+        "fitted_on": dict(sel, runs=len(runs) - len(held)),
+        "knobs": search.knobs(k),
+        "compute": "each model's own measured profile (single-process forward, backward, optimizer)",
+        "in_sample": error_summary([r for r in runs if not r["held_out"]]),
+        "runs": runs,
+        "by_model": by_model,
+        "by_model_link": by_model_link,
+        "held_out": held_summary,
+        "held_out_mean_abs_rel_error": held_summary["mean_abs_rel_error"],
+        "target_mean_abs_rel_error": OUT_OF_SAMPLE_TARGET,
+        "within_20pct": held_summary["mean_abs_rel_error"] <= OUT_OF_SAMPLE_TARGET,
+        "network": fitted["network"],
+    }

@@ -1,0 +1,202 @@
+"""The full benchmark in one page: every EmbRace-over-baseline ratio of several runs.
+
+The full run is several benchmark runs (``scripts/bench_full.sh``: the main models on 4
+ranks, the 6+6-layer IWSLT model on 4 ranks with fewer strategies so that their copies fit
+in memory, the smaller models on 8 ranks), each with its own ``bench.json``. This page
+lists, for each run key (model, ranks, link), EmbRace's step against every stock
+baseline's as a speedup (baseline median step / EmbRace median step) with its 95 %
+paired-bootstrap interval (:mod:`.stats`), for EmbRace at ZeRO-0 (the 2D schedule) and at
+ZeRO-1; every strategy's step over the compute-only floor and its bytes over the analytic
+minimum; the commit each run measured; and the simulator out of sample over all runs
+together (knobs fitted on one model and link, every other run predicted).
+
+``python -m embrace_fairseq.perf.bench.summary results/bench/full/w4 results/bench/full/iwslt_w4 ...
+--out results/bench/full/summary``  writes ``summary.md`` and ``summary.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from embrace_fairseq.perf.bench.keys import run_key
+from embrace_fairseq.perf.bench.markdown import _simulator as _simulator_section
+from embrace_fairseq.perf.bench.stats import CONFIDENCE, paired_ratio_interval
+from embrace_fairseq.perf.strategies import get_strategy, sharded_strategies
+
+#: EmbRace as a user runs it: dense layers at ZeRO-0 under the 2D schedule, or under ZeRO-1
+SUBJECTS = ("embrace_schedule", "embrace_zero1")
+FLOOR = "compute_floor"
+#: the statistics target: every interval's half-width within this share of its ratio
+HALF_WIDTH_GOAL = 0.10
+
+
+def _key(r: Dict[str, Any]) -> str:
+    return run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]})
+
+
+def speedups(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per run key, subject and stock baseline: baseline step / subject step with its interval."""
+    by: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(_key(r), {})[r["strategy"]] = r
+    sharded = set(sharded_strategies())
+    out = []
+    for key, per in by.items():
+        for subject in SUBJECTS:
+            if subject not in per:
+                continue
+            for base, b in per.items():
+                if base in sharded or base == FLOOR:
+                    continue
+                iv = paired_ratio_interval(b["step_s"], per[subject]["step_s"])
+                half = max(iv["ratio"] - iv["low"], iv["high"] - iv["ratio"]) / iv["ratio"]
+                out.append({"key": key, "model": b["model"], "world_size": b["world_size"],
+                            "link_gbit": b["link_gbit"], "subject": subject, "baseline": base,
+                            "ratio": iv["ratio"], "low": iv["low"], "high": iv["high"], "steps": iv["steps"],
+                            "half_width": half})
+    return out
+
+
+def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Per run key: each strategy's median step over the compute-only floor's."""
+    floors = {_key(r): r["median_step_s"] for r in runs if r["strategy"] == FLOOR}
+    out: Dict[str, Dict[str, float]] = {}
+    for r in runs:
+        f = floors.get(_key(r))
+        if f and r["strategy"] != FLOOR:
+            out.setdefault(_key(r), {})[r["strategy"]] = r["median_step_s"] / f
+    return out
+
+
+def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One bench dict of several runs (for the simulator): runs concatenated, each model's
+    profile from the first run that measured it, its unique-id counts from every run."""
+    profiles: Dict[str, Any] = {}
+    for b in benches:
+        for name, p in b["profiles"].items():
+            if name not in profiles:
+                profiles[name] = json.loads(json.dumps(p))
+            else:
+                profiles[name]["unique_ids_per_rank"].update(p.get("unique_ids_per_rank", {}))
+    return {"meta": benches[0]["meta"], "profiles": profiles, "runs": [r for b in benches for r in b["runs"]]}
+
+
+def summarize(dirs: Sequence[Path], fit_on: Optional[tuple] = None) -> Dict[str, Any]:
+    benches = [json.loads((Path(d) / "bench.json").read_text()) for d in dirs]
+    parts = []
+    for d, b in zip(dirs, benches):
+        m = b["meta"]
+        parts.append({"dir": str(d), "command": m.get("command"), "source": m.get("source"),
+                      "wall_s": m.get("wall_s"), "link": m.get("link"), "schedule": m.get("schedule"),
+                      "load_during_run": (m.get("machine") or {}).get("load_during_run")})
+    runs = [r for b in benches for r in b["runs"]]
+    sp = speedups(runs)
+    try:
+        from embrace_fairseq.perf.simulator.validation import out_of_sample
+
+        sim = out_of_sample(merged_bench(benches), fit_on=fit_on)
+    except Exception as exc:  # the measured figures stand without the simulator
+        sim = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"parts": parts, "confidence": CONFIDENCE, "speedups": sp, "over_floor": over_floor(runs),
+            "bytes_over_min": _bytes_over_min(runs),
+            "max_half_width": max((s["half_width"] for s in sp), default=None),
+            "half_width_goal": HALF_WIDTH_GOAL, "simulator": sim}
+
+
+def _bytes_over_min(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    out: Dict[str, Dict[str, float]] = {}
+    for r in runs:
+        if r.get("bytes_over_min") is not None:
+            out.setdefault(_key(r), {})[r["strategy"]] = r["bytes_over_min"]
+    return out
+
+
+def _commit(source: Optional[Dict[str, Any]]) -> str:
+    if not source or not source.get("commit"):
+        return "unknown"
+    return source["commit"][:10] + (" (dirty)" if source.get("dirty") else "")
+
+
+def _strategy_table(title: str, per_key: Dict[str, Dict[str, float]]) -> List[str]:
+    """A section: one row per run key, one column per strategy."""
+    strategies = list(dict.fromkeys(k for per in per_key.values() for k in per))
+    if not strategies:
+        return []
+    L = [f"## {title}", "", "| run | " + " | ".join(get_strategy(x).short for x in strategies) + " |",
+         "|---|" + "---|" * len(strategies)]
+    L += [f"| {key} | " + " | ".join(f"{per[x]:.2f}" if x in per else "-" for x in strategies) + " |"
+          for key, per in per_key.items()]
+    return L + [""]
+
+
+def markdown(s: Dict[str, Any]) -> str:
+    L = ["# Full benchmark, all runs", ""]
+    L.append("Speedup = baseline median step / EmbRace median step, with its "
+             f"{100 * s['confidence']:.0f} % paired-bootstrap interval (steps resampled in pairs). "
+             "EmbRace at ZeRO-0 is (e), the 2D schedule; (e-z1) is EmbRace with the dense layers "
+             "under DeepSpeed ZeRO-1. Each run's own report.md has the details (bytes by kind, "
+             "hidden share, timelines, settings of each baseline).")
+    L.append("")
+    L.append("| run | command | commit | wall | load during the run |")
+    L.append("|---|---|---|---|---|")
+    for p in s["parts"]:
+        load = p.get("load_during_run")
+        L.append(f"| {p['dir']} | `{p['command']}` | {_commit(p['source'])} | "
+                 f"{(p['wall_s'] or 0) / 60:.0f} min | "
+                 + (f"{load['min']:.1f}-{load['max']:.1f}" if load else "-") + " |")
+    L.append("")
+    for subject in SUBJECTS:
+        rows = [x for x in s["speedups"] if x["subject"] == subject]
+        if not rows:
+            continue
+        bases = list(dict.fromkeys(x["baseline"] for x in rows))
+        L.append(f"## {get_strategy(subject).label} over each baseline")
+        L.append("")
+        L.append("| model | ranks | link | " + " | ".join(get_strategy(b).short for b in bases) + " |")
+        L.append("|---|---|---|" + "---|" * len(bases))
+        keys = list(dict.fromkeys((x["model"], x["world_size"], x["link_gbit"]) for x in rows))
+        for model, n, gbit in keys:
+            cells = []
+            for b in bases:
+                hit = [x for x in rows if (x["model"], x["world_size"], x["link_gbit"], x["baseline"]) ==
+                       (model, n, gbit, b)]
+                cells.append(f"{hit[0]['ratio']:.2f}x [{hit[0]['low']:.2f}, {hit[0]['high']:.2f}]" if hit else "-")
+            L.append(f"| {model} | {n} | {gbit:g} Gbit/s | " + " | ".join(cells) + " |")
+        L.append("")
+    if s["max_half_width"] is not None:
+        ok = s["max_half_width"] <= s["half_width_goal"]
+        L.append(f"Widest interval: +-{100 * s['max_half_width']:.1f} % of its ratio "
+                 f"({'within' if ok else 'NOT within'} the +-{100 * s['half_width_goal']:.0f} % target).")
+        L.append("")
+    L += _strategy_table("Step over the compute-only floor", s["over_floor"])
+    L += _strategy_table("Bytes over the analytic minimum of the strategy", s["bytes_over_min"])
+    # the run reports' section, over all runs together
+    sim = _simulator_section({"simulator": s["simulator"]})
+    L += [sim[0] + ", all runs together"] + sim[1:] if sim else []
+    return "\n".join(L)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.bench.summary", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="+", type=Path, help="benchmark result folders (each with bench.json)")
+    ap.add_argument("--fit-on", default=None, metavar="MODEL:GBIT", help="the simulator's fitting runs")
+    ap.add_argument("--out", type=Path, default=None, help="write <out>.md and <out>.json")
+    a = ap.parse_args(argv)
+    fit_on = None
+    if a.fit_on:
+        model, gbit = a.fit_on.rsplit(":", 1)
+        fit_on = (model, float(gbit))
+    s = summarize(a.dirs, fit_on)
+    md = markdown(s)
+    print(md)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".md").write_text(md)
+        a.out.with_suffix(".json").write_text(json.dumps(s, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
