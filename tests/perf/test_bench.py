@@ -220,3 +220,20 @@ def test_interrupted_run_leaves_nothing(tmp_path):
 
 def _workers():
     return subprocess.run(["pgrep", "-f", "embrace_fairseq.perf.bench.worker"], capture_output=True, text=True).stdout.split()
+
+
+@needs_ns
+def test_cleanup_spares_a_live_run_and_removes_a_dead_one():
+    """--cleanup (and a test calling it) while a benchmark runs must not pull its links."""
+    live = NC.Cluster.create(2, NC.LinkSpec(1.0, 0.1))
+    dead = NC.new_tag()
+    subprocess.run(["ip", "netns", "add", f"{dead}r0"], check=True)
+    (NC.OWNERS / dead).parent.mkdir(parents=True, exist_ok=True)
+    (NC.OWNERS / dead).write_text("999999999")  # a pid that does not exist
+    try:
+        gone = NC.cleanup_leftovers()
+        assert f"{dead}r0" in gone and NC.list_namespaces(dead) == []
+        assert len(NC.list_namespaces(live.tag)) == 3 and NC.owner_alive(live.tag)
+    finally:
+        live.close()
+    assert NC.list_namespaces(live.tag) == [] and not (NC.OWNERS / live.tag).exists()

@@ -25,8 +25,9 @@ fast link inside a machine. Nothing leaves the namespaces the run created: the s
 namespace has no route to the host.
 
 Names carry a per-run tag (``ebb`` + 5 hex digits) so concurrent runs do not collide;
-:func:`cleanup_leftovers` removes every namespace with the ``ebb`` prefix (what a killed
-run may leave). Requires root (or CAP_NET_ADMIN) and iproute2; :func:`namespaces_available`
+the process that builds a cluster records itself as its tag's owner, and
+:func:`cleanup_leftovers` removes the namespaces with the ``ebb`` prefix whose owner is
+gone (what a killed run leaves), never those of a run still going. Requires root (or CAP_NET_ADMIN) and iproute2; :func:`namespaces_available`
 says whether this machine allows it.
 """
 from __future__ import annotations
@@ -36,8 +37,10 @@ import os
 import secrets
 import signal
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PREFIX = "ebb"  # every namespace this module creates starts with it
@@ -64,6 +67,35 @@ def new_tag() -> str:
     return PREFIX + secrets.token_hex(3)[:5]
 
 
+TAG_LEN = len(PREFIX) + 5
+# tag -> pid of the process that built the cluster (a file each, so that other processes see it)
+OWNERS = Path(tempfile.gettempdir()) / "embrace_netem_owners"
+
+
+def _claim(tag: str) -> None:
+    OWNERS.mkdir(parents=True, exist_ok=True)
+    (OWNERS / tag).write_text(str(os.getpid()))
+
+
+def _release(tag: str) -> None:
+    (OWNERS / tag).unlink(missing_ok=True)
+
+
+def owner_alive(tag: str) -> bool:
+    """Whether the process that built the cluster of ``tag`` still runs."""
+    try:
+        pid = int((OWNERS / tag).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def list_namespaces(prefix: str = PREFIX) -> List[str]:
     proc = _ip("netns", "list", check=False)
     if proc.returncode != 0:
@@ -71,12 +103,20 @@ def list_namespaces(prefix: str = PREFIX) -> List[str]:
     return [line.split()[0] for line in proc.stdout.splitlines() if line.split() and line.split()[0].startswith(prefix)]
 
 
-def cleanup_leftovers(prefix: str = PREFIX) -> List[str]:
-    """Delete every namespace whose name starts with ``prefix`` (veths inside go with it)."""
+def cleanup_leftovers(prefix: str = PREFIX, include_live: bool = False) -> List[str]:
+    """Delete the namespaces whose name starts with ``prefix`` (veths inside go with them)
+    and whose cluster's owner process is gone; ``include_live``: those of running clusters
+    too (a cluster closing itself). Another run's links are never pulled from under it."""
     gone = []
     for ns in list_namespaces(prefix):
+        tag = ns[:TAG_LEN]
+        if not include_live and owner_alive(tag):
+            continue
         if _ip("netns", "delete", ns, check=False).returncode == 0:
             gone.append(ns)
+    for f in (OWNERS.glob(f"{prefix}*") if OWNERS.is_dir() else []):
+        if not owner_alive(f.name) and not list_namespaces(f.name):
+            f.unlink(missing_ok=True)
     return gone
 
 
@@ -168,6 +208,7 @@ class Cluster:
             ranks = [RankPlacement(r, None, "lo", "127.0.0.1", r // ranks_per_node) for r in range(world_size)]
             return cls(world_size, tag, True, ranks, ranks_per_node=ranks_per_node)
         cluster = cls(world_size, tag, False, switch_ns=f"{tag}s", ranks_per_node=ranks_per_node)
+        _claim(tag)
         _register_cleanup(cluster)
         try:
             cluster._build(link)
@@ -261,7 +302,8 @@ class Cluster:
             if ns:
                 _ip("netns", "delete", ns, check=False)
         # a half-built cluster may hold namespaces not yet in self.ranks
-        cleanup_leftovers(self.tag)
+        cleanup_leftovers(self.tag, include_live=True)
+        _release(self.tag)
 
     def __enter__(self) -> "Cluster":
         return self
