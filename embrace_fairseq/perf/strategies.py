@@ -206,7 +206,7 @@ register_strategy(
     aliases=("node",),
     description="(e) with the node-aware exchange: ids merged per node before they cross to other nodes, rows "
                 "fanned out and gradient rows summed inside the node (on one rank per node it is (e))",
-    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule_node"),
     build=LazyRef(_BUILDERS, "build_embrace_node"), shards_table=True,
 )
 

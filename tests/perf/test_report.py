@@ -101,3 +101,9 @@ def test_two_tables_add_their_minimums_and_count_the_dense_layers_once():
     ddp = runs["fairseq_legacy_ddp"]["min_bytes_per_rank_per_step"]
     assert ddp == 560.0 + dec_vocab * DIM * 4  # ring all-reduce at 2 ranks: the payload once
     assert res["profiles"]["toy2"]["unique_ids_per_rank"] == {"2": [6.0, 6.0]}
+
+
+def test_report_lists_each_strategy_with_its_settings():
+    md = markdown(_result(), [])
+    assert "## Strategies and their settings" in md
+    assert "--ddp-backend legacy_ddp" in md and "2D schedule (4 MB buckets, 1 MB pieces" in md

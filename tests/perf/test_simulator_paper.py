@@ -82,3 +82,17 @@ def test_nodes_share_the_nic_and_the_sensitivity_table(study):
     assert {r["latency_s"] for r in rows} == {0.0, paper.PAPER_LATENCY_S, 5 * paper.PAPER_LATENCY_S}
     study = dict(study, latency_sensitivity=rows)
     assert "## Latency sensitivity" in paper.markdown(study)
+
+
+def test_node_aware_exchange_beside_e_on_nodes(study):
+    for m in study["models"].values():
+        for r in m["results"]:
+            na = r["node_aware"]
+            if r["topology"] == "flat" or r["world_size"] == paper.GPUS_PER_NODE:  # no nodes, or one node
+                assert na is None and r["step_s"][paper.NODE_AWARE] == r["step_s"][SPEEDUP_SUBJECT]
+                continue
+            # several nodes of 8: fewer ids cross, the exchange and the step are shorter
+            assert 0 < na["dedup_ratio"] < 1 and na["step_over_flat"] < 1
+            assert na["exchange_fwd_s"]["node"] < na["exchange_fwd_s"]["flat"]
+            assert na["grad_rows_s"]["node"] < na["grad_rows_s"]["flat"]
+    assert "## Node-aware exchange (e-n) against the flat one (e), nodes_of_8" in paper.markdown(study)

@@ -43,3 +43,17 @@ def test_markdown_names_each_run_and_its_commit(tmp_path, capsys):
     md = (tmp_path / "summary.md").read_text()
     assert "cccccccccc" in md and "`bench w4`" in md and "| lm | 4 | 1 Gbit/s | 2.00x [" in md
     assert json.loads((tmp_path / "summary.json").read_text())["speedups"][0]["baseline"] == "deepspeed"
+
+
+def test_bytes_over_the_best_design_measured():
+    """Each strategy's bytes over the lowest minimum of any strategy on those batches, not
+    over its own formula (which a stock all-reduce meets by construction)."""
+    from embrace_fairseq.perf.bench.summary import bytes_over_best
+
+    runs = [dict(_run("lm", 4, "fairseq_c10d", [1.0]), min_bytes_per_rank_per_step=100.0,
+                 bytes_total_per_rank_per_step=100.0),
+            dict(_run("lm", 4, "embrace_schedule", [1.0]), min_bytes_per_rank_per_step=20.0,
+                 bytes_total_per_rank_per_step=21.0),
+            dict(_run("lm", 4, "compute_floor", [1.0]), min_bytes_per_rank_per_step=0.0,
+                 bytes_total_per_rank_per_step=0.0)]
+    assert bytes_over_best(runs) == {"lm/w4/1gbit_0.1ms": {"fairseq_c10d": 5.0, "embrace_schedule": 1.05}}

@@ -110,6 +110,30 @@ ZERO_TUNING: Dict[str, Any] = {
 }
 
 
+#: fairseq's DistributedFairseqModel options of the (a)/(a') baselines: fairseq's defaults
+FAIRSEQ_DDP = {"bucket_cap_mb": 25, "broadcast_buffers": False, "find_unused_parameters": False,
+               "gradient_as_bucket_view": False}
+
+
+def baseline_settings() -> Dict[str, str]:
+    """Each strategy's settings as the report prints them (every strategy: torch Adam, lr
+    :data:`LR`, no clipping, fp32)."""
+    ddp = ", ".join(f"{k}={v}" for k, v in FAIRSEQ_DDP.items())
+    zero = ", ".join(f"{k}={v}" for k, v in ZERO_TUNING.items())
+    return {
+        "fairseq_legacy_ddp": f"--ddp-backend legacy_ddp, flat buffers of 2**28 elements; {ddp}",
+        "fairseq_c10d": f"--ddp-backend c10d (torch DDP, torch's allreduce_hook); {ddp}",
+        "deepspeed": "zero_optimization.stage 0 (DeepSpeed's defaults: one all-reduce after the backward)",
+        "deepspeed_zero1": f"zero_optimization.stage 1, {zero}",
+        "deepspeed_zero2": f"zero_optimization.stage 2, {zero}",
+        "sparse_allgather": "stage 0, token table nn.Embedding(sparse=True) (DeepSpeed's sparse_gradients path)",
+        "embrace_schedule": "\"embrace\" defaults: 2D schedule (4 MB buckets, 1 MB pieces, exchange gate), strided "
+                            "shards, --embrace-output auto",
+        "embrace_zero1": f"EmbRace defaults; dense layers: zero_optimization.stage 1, {zero}",
+        "compute_floor": "stock model, every collective skipped",
+    }
+
+
 def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int,
                zero: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     cfg: Dict[str, Any] = {
@@ -131,9 +155,7 @@ def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Str
 
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.stock_arch, task, data)
-    args = argparse.Namespace(tpu=False, ddp_backend=backend, device_id=0, broadcast_buffers=False,
-                              bucket_cap_mb=25, find_unused_parameters=False, gradient_as_bucket_view=False,
-                              ddp_comm_hook="none")
+    args = argparse.Namespace(tpu=False, ddp_backend=backend, device_id=0, ddp_comm_hook="none", **FAIRSEQ_DDP)
     wrapped = DistributedFairseqModel(args, model, dist.group.WORLD, torch.device("cpu"))
     if backend == "c10d":
         # torch's stock all-reduce hook (what DDP does by default), issued from Python so that

@@ -20,6 +20,10 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
     if src.get("commit"):
         L.append(f"Measured on commit `{src['commit']}`" + (" with uncommitted changes" if src.get("dirty") else "")
                  + ".")
+    later = meta.get("report_written_by") or {}
+    if later.get("commit") and later["commit"] != src.get("commit"):
+        L.append(f"This report was written again from `bench.json` by commit `{later['commit']}` (report code "
+                 "only; the figures are the measured ones).")
     L.append(f"Command: `{meta['command']}`; wall {meta['wall_s'] or 0:.0f} s; versions "
              + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".")
     L.append("")
@@ -300,8 +304,23 @@ def _simulator(result: Dict[str, Any]) -> List[str]:
     return L
 
 
+def _strategies(result: Dict[str, Any]) -> List[str]:
+    """What each strategy of the run is and how it is set up (the baselines as their users
+    tune them), from the registry and the builders' settings."""
+    from embrace_fairseq.perf.bench.builders import baseline_settings  # torch: only when a report is written
+
+    names = list(dict.fromkeys(r["strategy"] for r in result["runs"]))
+    settings = baseline_settings()
+    L = ["## Strategies and their settings", "", "| strategy | what | settings |", "|---|---|---|"]
+    for n in names:
+        spec = get_strategy(n)
+        L.append(f"| {spec.label} | {spec.description} | {settings.get(n, '-')} |")
+    return L + [""]
+
+
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
-    L = _setup(result["meta"]) + _profiles(result) + _run_tables(result) + _layouts(result) + _ablation(result)
+    L = _setup(result["meta"]) + _strategies(result) + _profiles(result) + _run_tables(result) + _layouts(result)
+    L += _ablation(result)
     L += _nodes(result) + _goal(result) + _simulator(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "

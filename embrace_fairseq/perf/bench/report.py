@@ -399,3 +399,25 @@ def write_outputs(result: Dict[str, Any], out: Path) -> List[Path]:
     md.write_text(markdown(result, [p.name for p in paths if p.suffix == ".png"]))
     paths.append(md)
     return paths
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m embrace_fairseq.perf.bench.report DIR...``: write each folder's plots and
+    ``report.md`` again from its ``bench.json`` (the measured figures are not touched; a
+    report written later says so, with the commit that wrote it)."""
+    import argparse
+
+    from embrace_fairseq.perf.provenance import source_state
+
+    ap = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.bench.report", description=main.__doc__)
+    ap.add_argument("dirs", nargs="+", type=Path)
+    for d in ap.parse_args(argv).dirs:
+        result = json.loads((d / "bench.json").read_text())
+        result["meta"]["report_written_by"] = source_state()
+        paths = write_outputs(result, d)
+        print(f"rewrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,7 +3,8 @@
 A latency-bandwidth (alpha-beta) network (:mod:`.network`): one NIC per rank, ring
 collectives, AlltoAll. Compute is per step (forward, backward, optimizer), the
 backward split over the dense layers in proportion to their size (:mod:`.link`).
-Sparse loads come from unique ids per rank through a Zipf model (:mod:`.sparse_loads`).
+Sparse loads come from unique ids per rank through a Zipf model (:mod:`.sparse_loads`),
+and on nodes what a node's ranks ask together (the node-aware exchange merges it).
 Each strategy's cost is registered with it (:mod:`embrace_fairseq.perf.strategies`):
 the stock ones in :mod:`.allreduce_costs`, EmbRace's in :mod:`.embrace_costs`;
 :func:`predict` (:mod:`.predict`) runs the one asked for.
@@ -21,13 +22,14 @@ from embrace_fairseq.perf.simulator.paper import paper_profiles, paper_study
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.perf.simulator.profile import Options, Profile
-from embrace_fairseq.perf.simulator.sparse_loads import SparseLoads, sparse_loads, zipf_tokens_for_unique
+from embrace_fairseq.perf.simulator.sparse_loads import (NodeLoads, SparseLoads, node_loads, sparse_loads,
+                                                         zipf_tokens_for_unique)
 from embrace_fairseq.perf.simulator.validation import FIT_GRID, fit_network, out_of_sample, runs_and_profiles, validate
 from embrace_fairseq.perf.strategies import STRATEGIES, canonical_strategy
 
 __all__ = [
-    "CostContext", "FIT_GRID", "HEADER_BYTES_PER_PEER", "Network", "Options", "Prediction", "Profile", "STRATEGIES",
-    "SparseLoads", "canonical_strategy", "fit_network", "fit_zipf_exponent", "measure_translation_profile",
-    "out_of_sample", "paper_profiles", "paper_study", "predict", "runs_and_profiles", "sparse_loads", "validate",
-    "zipf_tokens_for_unique",
+    "CostContext", "FIT_GRID", "HEADER_BYTES_PER_PEER", "Network", "NodeLoads", "Options", "Prediction", "Profile",
+    "STRATEGIES", "SparseLoads", "canonical_strategy", "fit_network", "fit_zipf_exponent", "measure_translation_profile",
+    "node_loads", "out_of_sample", "paper_profiles", "paper_study", "predict", "runs_and_profiles", "sparse_loads",
+    "validate", "zipf_tokens_for_unique",
 ]

@@ -10,18 +10,22 @@ the traffic (:func:`traffic`); they differ in what overlaps what:
   the backward input-near first, gradient rows the next batch reads urgent and the
   others deferred into the next forward;
 * ``fifo``: the schedule's ablation baseline: whole dense buckets all-reduced during the
-  backward in the order they become ready, every gradient row before the step.
+  backward in the order they become ready, every gradient row before the step;
+* ``schedule_node``: ``schedule`` with the node-aware exchange (:func:`node_traffic`): each
+  hop of the flat exchange becomes two, one inside the node and one along the rails, and
+  what crosses between nodes is each node's union of ids instead of its ranks' sum.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Tuple
 
 from embrace_fairseq.perf.simulator.link import Job, dense_specs, ready_times, run_link
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.schedule.plan import cut_pieces, make_buckets, readiness_order
 
 HEADER_BYTES_PER_PEER = 3 * 8  # the exchange header: count, error flag, bad id (int64)
+NODE_HEADER_BYTES_PER_PEER = 4 * 8  # the node-aware exchange's, per hop: the same and the bad id's rank
 SOFTMAX_STAT_BYTES = 2 * 4  # vocab-parallel output: max and sum per token, fp32
 
 
@@ -33,6 +37,7 @@ class EmbraceTraffic:
     exchange_rows_s: float  # rows back to the requesters
     grad_rows_s: float  # gradient rows to the owners
     rows_busiest_bytes: float  # the busiest rank's row bytes (cut into urgent and deferred)
+    rows_part_s: Callable[[float], float]  # a share of the gradient rows sent as one exchange
     gather_bytes: float  # tied output: the table all-gathered, shards padded to the largest
     table_gather_s: float
     table_grad_s: float  # tied output: the table gradient reduce-scattered
@@ -49,11 +54,23 @@ class EmbraceTraffic:
 
 
 def traffic(ctx: CostContext) -> EmbraceTraffic:
+    """The flat exchange and the tied output's collectives. On nodes the exchange's NIC
+    carries what its ranks send off the node together
+    (:attr:`~embrace_fairseq.perf.simulator.sparse_loads.NodeLoads.flat_nic_rows`), not K
+    times the busiest rank's: one rank serving the head of the vocabulary does not make
+    its node's other ranks as busy."""
     prof, n, net = ctx.profile, ctx.world_size, ctx.net
     e, D, tied = prof.element_size, prof.dim, prof.tied_output
     busiest = ctx.loads.busiest_rows
     rows_busiest = busiest * D * e
     hdr = net.alltoall((n - 1) * HEADER_BYTES_PER_PEER, n)
+    k = ctx.ranks_per_node
+    # the busiest node's NIC rows per row of the busiest rank (None: no NIC shared)
+    nic = ctx.node_loads.flat_nic_rows / busiest if 1 < k < n and busiest > 0 else None
+
+    def exchange(nbytes: float) -> float:
+        return net.alltoall(nbytes, n, None if nic is None else nic * nbytes)
+
     gather_bytes = n * -(-prof.vocab // n) * D * e
     out_tokens = prof.output_tokens_per_rank or prof.tokens_per_rank
     vp_fwd = vp_bwd = 0.0
@@ -61,15 +78,55 @@ def traffic(ctx: CostContext) -> EmbraceTraffic:
         vp_fwd = net.allgather(n * out_tokens * D * e, n) + net.allgather(n * out_tokens * SOFTMAX_STAT_BYTES, n)
         vp_bwd = net.reduce_scatter(n * out_tokens * D * e, n)
     return EmbraceTraffic(
-        exchange_ids_s=hdr + net.alltoall(busiest * prof.id_size, n),
-        exchange_rows_s=net.alltoall(rows_busiest, n),
-        grad_rows_s=net.alltoall(rows_busiest, n),
+        exchange_ids_s=hdr + exchange(busiest * prof.id_size),
+        exchange_rows_s=exchange(rows_busiest),
+        grad_rows_s=exchange(rows_busiest),
         rows_busiest_bytes=rows_busiest,
+        rows_part_s=lambda part: exchange(rows_busiest * part),
         gather_bytes=gather_bytes,
         table_gather_s=net.allgather(gather_bytes, n) if tied == "gather" else 0.0,
         table_grad_s=net.reduce_scatter(prof.table_bytes, n) if tied == "gather" else 0.0,
         vocab_parallel_fwd_s=vp_fwd,
         vocab_parallel_bwd_s=vp_bwd,
+    )
+
+
+def node_traffic(ctx: CostContext) -> EmbraceTraffic:
+    """:func:`traffic` with the node-aware exchange (:mod:`embrace_fairseq.core.node_exchange`).
+
+    Ids go to the proxies inside the node, then the node's union along the rails; rows come
+    back the other way and gradient rows follow the ids. The hops depend on each other, so
+    their times add. Inside the node every rank's ids travel (its own local index's stay);
+    across nodes only the union of its K ranks' ids, which is what the node-aware route
+    saves: hot ids are drawn by several ranks of a node and cross once
+    (:func:`~embrace_fairseq.perf.simulator.sparse_loads.node_loads`). One rank per node or
+    one node: the library runs the flat exchange, and so does this (:func:`traffic`). The
+    tied output's collectives are the flat ones'.
+    """
+    flat = traffic(ctx)
+    n, net, k = ctx.world_size, ctx.net, ctx.ranks_per_node
+    if k in (1, n):
+        return flat
+    prof, loads = ctx.profile, ctx.node_loads
+    row_bytes = prof.dim * prof.element_size
+    inside, rails = loads.node_hop_rows, loads.rail_rows
+    nic = loads.rail_nic_rows / rails if rails > 0 else 0.0  # the NIC's rows per row of the busiest rail rank
+    headers = (net.alltoall_inside((k - 1) * NODE_HEADER_BYTES_PER_PEER, n)
+               + net.alltoall_rails((n // k - 1) * NODE_HEADER_BYTES_PER_PEER, n))
+
+    def hops(bytes_inside: float, bytes_rails: float) -> float:  # of the busiest rank on each hop
+        return net.alltoall_inside(bytes_inside, n) + net.alltoall_rails(bytes_rails, n, nic * bytes_rails)
+
+    def rows_part_s(part: float) -> float:
+        return hops(inside * row_bytes * part, rails * row_bytes * part)
+
+    return replace(
+        flat,
+        exchange_ids_s=headers + hops(inside * prof.id_size, rails * prof.id_size),
+        exchange_rows_s=rows_part_s(1.0),
+        grad_rows_s=rows_part_s(1.0),
+        rows_busiest_bytes=max(inside, rails) * row_bytes,
+        rows_part_s=rows_part_s,
     )
 
 
@@ -98,11 +155,17 @@ class _PriorityLink:
         return run_link(self.jobs)
 
 
+def _add_rows(link: _PriorityLink, t: EmbraceTraffic, name: str, ready: float, part: float, prio: tuple) -> None:
+    """A share ``part`` of the step's gradient rows as one exchange (none when it is empty)."""
+    if t.rows_busiest_bytes * part > 0:
+        link.jobs.append(Job(name, ready, t.rows_part_s(part), prio))
+
+
 def _forward(ctx: CostContext, t: EmbraceTraffic, link: _PriorityLink, share: float) -> float:
     """Queue the forward's collectives; when the backward can start."""
     n, net, overlap = ctx.world_size, ctx.net, ctx.opts.overlap_table
     link.jobs.append(Job("exchange", 0.0, t.exchange_s, (0,)))  # the forward waits for it
-    link.add("deferred", 0.0, t.rows_busiest_bytes * (1 - share), lambda b: net.alltoall(b, n), (2,))
+    _add_rows(link, t, "deferred", 0.0, 1 - share, (2,))
     if t.table_gather_s and overlap:  # prefetched while the forward runs
         link.add("gather", 0.0, t.gather_bytes, lambda b: net.allgather(b, n), (1,))
     spans = link.run()
@@ -138,7 +201,7 @@ def _backward(ctx: CostContext, t: EmbraceTraffic, link: _PriorityLink, bwd_star
             prio = (4, ready_at, b.index) if fifo else (4, b.priority, b.index, p.index)
             link.jobs.append(Job(f"dense{b.index}.{p.index}", ready_at, net.allreduce(p.nbytes, n), prio))
     bwd_end = bwd_start + stall + ctx.backward_s + t.vocab_parallel_bwd_s
-    link.add("urgent_rows", bwd_end, t.rows_busiest_bytes * share, lambda b: net.alltoall(b, n), (3,))
+    _add_rows(link, t, "urgent_rows", bwd_end, share, (3,))
     return bwd_end
 
 
@@ -150,8 +213,20 @@ def schedule(ctx: CostContext) -> Prediction:
     return _overlapped(ctx, fifo=False)
 
 
-def _overlapped(ctx: CostContext, fifo: bool) -> Prediction:
-    t = traffic(ctx)
+def schedule_node(ctx: CostContext) -> Prediction:
+    """``schedule`` with the node-aware exchange: the same step, the exchange's collectives
+    costed as two hops (:func:`node_traffic`); the flat one's where there are no nodes."""
+    pred = _overlapped(ctx, fifo=False, t=node_traffic(ctx))
+    k, n = ctx.ranks_per_node, ctx.world_size
+    if k not in (1, n):
+        loads = ctx.node_loads
+        pred.detail.update(node_dedup_ratio=loads.dedup_ratio, node_unique_ids=loads.node_unique_mean,
+                           node_hop_rows=loads.node_hop_rows, rail_rows=loads.rail_rows)
+    return pred
+
+
+def _overlapped(ctx: CostContext, fifo: bool, t: Optional[EmbraceTraffic] = None) -> Prediction:
+    t = traffic(ctx) if t is None else t
     # rows the next step reads: urgent (all of them without the relaxed dependency)
     share = ctx.loads.next_step_share if ctx.opts.defer_rows and not fifo else 1.0
     link = _PriorityLink()

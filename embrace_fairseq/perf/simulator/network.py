@@ -11,7 +11,9 @@ ranks share, and ranks of one node talk over ``intra_gbit``. A ring in node orde
 each node's NIC once per direction, so its time is its per-rank volume over the slower of
 the two links; an AlltoAll sends ``(N-K)/(N-1)`` of each rank's bytes off the node, K
 ranks' worth through one NIC; :meth:`Network.allreduce_two_level` is the all-reduce in
-two levels (:func:`embrace_fairseq.core.collectives.all_reduce_two_level`).
+two levels (:func:`embrace_fairseq.core.collectives.all_reduce_two_level`). The node-aware
+exchange's hops are :meth:`Network.alltoall_inside` (the ranks of each node) and
+:meth:`Network.alltoall_rails` (one rank per node, the node's K rails at once).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class Network:
                 or (self.intra_gbit is not None and self.intra_gbit <= 0)):
             raise ValueError(f"bad network parameters: {self}")
 
-    def _per_node(self, n: int) -> int:
+    def per_node(self, n: int) -> int:
         """Ranks per node in a job of ``n`` (1: every rank its own node; ``n``: one node)."""
         k = self.ranks_per_node
         return k if 1 < k <= n and n % k == 0 else 1
@@ -64,7 +66,7 @@ class Network:
 
     def _ring_rate(self, n: int) -> float:
         """A ring in node order runs at its slowest edge's rate."""
-        k = self._per_node(n)
+        k = self.per_node(n)
         if k == 1:
             return self.bytes_per_s
         return self.intra_bytes_per_s if k == n else min(self.bytes_per_s, self.intra_bytes_per_s)
@@ -82,7 +84,7 @@ class Network:
     def allreduce_two_level(self, nbytes: float, n: int) -> float:
         """Reduce-scatter inside each node, all-reduce of the chunks across the nodes (the
         node's K rails share its NIC), all-gather inside; one ring where there are no nodes."""
-        k = self._per_node(n)
+        k = self.per_node(n)
         if k == 1:
             return self.allreduce(nbytes, n)
         if nbytes <= 0:
@@ -100,14 +102,43 @@ class Network:
 
     reduce_scatter = allgather
 
-    def alltoall(self, busiest_bytes: float, n: int) -> float:
-        """AlltoAll where the busiest rank sends (or receives) ``busiest_bytes``."""
+    def alltoall(self, busiest_bytes: float, n: int, nic_bytes: Optional[float] = None) -> float:
+        """AlltoAll where the busiest rank sends (or receives) ``busiest_bytes``.
+
+        On nodes, ``nic_bytes`` is what the busiest node's NIC sends (or receives); by
+        default K ranks' worth of the busiest rank's share leaving the node, which is right
+        when the ranks of a node are as busy as each other and too much when one is busier.
+        """
         if n <= 1:
             return 0.0
-        k = self._per_node(n)
+        k = self.per_node(n)
         if k == 1:
             return self.overhead_s + (n - 1) * self.latency_s + busiest_bytes / self.bytes_per_s
         # spread evenly over the peers: (n-k)/(n-1) leaves the node, k ranks' worth per NIC
-        across = k * busiest_bytes * (n - k) / (n - 1) / self.bytes_per_s
+        if nic_bytes is None:
+            nic_bytes = k * busiest_bytes * (n - k) / (n - 1)
+        across = nic_bytes / self.bytes_per_s
         inside = busiest_bytes * (k - 1) / (n - 1) / self.intra_bytes_per_s
         return self.overhead_s + (n - 1) * self.latency_s + max(across, inside)
+
+    def alltoall_inside(self, busiest_bytes: float, n: int) -> float:
+        """An AlltoAll among the ranks of each node at once, over the link inside the node
+        (0 where a rank is its own node: there is nobody to send to)."""
+        k = self.per_node(n)
+        if k == 1:
+            return 0.0
+        return self.overhead_s + (k - 1) * self.latency_s + busiest_bytes / self.intra_bytes_per_s
+
+    def alltoall_rails(self, busiest_bytes: float, n: int, nic_bytes: Optional[float] = None) -> float:
+        """An AlltoAll along every rail at once (the ranks of one local index, one per node):
+        the node's K rails share its NIC, which carries ``nic_bytes`` (by default K ranks'
+        worth of ``busiest_bytes``). Without nodes the one rail is the whole job: :meth:`alltoall`."""
+        k = self.per_node(n)
+        if k == 1:
+            return self.alltoall(busiest_bytes, n)
+        m = n // k
+        if m == 1:
+            return 0.0
+        if nic_bytes is None:
+            nic_bytes = k * busiest_bytes
+        return self.overhead_s + (m - 1) * self.latency_s + nic_bytes / self.bytes_per_s

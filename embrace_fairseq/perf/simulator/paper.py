@@ -4,7 +4,8 @@ Compute comes from stated assumptions (sustained FLOP/s, memory bandwidth), not 
 measurement. EmbRace with the schedule (e) is projected as built (strided shards, the
 tied output read the way the automatic rule picks) against every registered stock
 strategy and the compute-only floor, on one NIC per GPU and on nodes of 8 GPUs, with a
-per-message latency the emulated benchmark could not apply (so it is assumed here).
+per-message latency the emulated benchmark could not apply (so it is assumed here). On
+nodes, (e) with the node-aware exchange (e-n) is projected beside it (not the default).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from embrace_fairseq.perf.simulator.network import Network
 from embrace_fairseq.perf.simulator.predict import predict
+from embrace_fairseq.perf.simulator.prediction import Prediction
 from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, get_strategy, strategy_names
 
@@ -104,6 +106,7 @@ PAPER_REPORTED = [
 
 FLOOR = "compute_floor"
 UNSCHEDULED = ("embrace_noschedule", "embrace_fifo")  # the schedule's ablation, shown beside (e)
+NODE_AWARE = "embrace_node"  # (e) with the node-aware exchange, where there are nodes
 
 
 def stock_baselines() -> List[str]:
@@ -169,11 +172,13 @@ def projected(prof: Profile, world: int, net: Network, opts: Options) -> dict:
     output, output_bytes = output_choice(prof, world)
     p = _with_output(prof, output)
     baselines = stock_baselines()
-    preds = {s: predict(p, s, world, net, opts) for s in (*baselines, FLOOR, *UNSCHEDULED, SPEEDUP_SUBJECT)}
+    preds = {s: predict(p, s, world, net, opts)
+             for s in (*baselines, FLOOR, *UNSCHEDULED, SPEEDUP_SUBJECT, NODE_AWARE)}
     step = {s: pr.step_s for s, pr in preds.items()}
     subject = preds[SPEEDUP_SUBJECT]
     best = min(baselines, key=step.__getitem__)
     return {
+        "node_aware": _node_aware_row(subject, preds[NODE_AWARE]) if net.per_node(world) not in (1, world) else None,
         "world_size": world, "output": output, "output_bytes_per_rank": output_bytes,
         "step_s": step,
         "speedup_of_embrace_schedule": {s: t / step[SPEEDUP_SUBJECT] for s, t in step.items()},
@@ -184,6 +189,14 @@ def projected(prof: Profile, world: int, net: Network, opts: Options) -> dict:
         "unique_ids_per_rank": p.loads(world, opts.shard_layout).unique_mean,
         "busiest_rows": p.loads(world, opts.shard_layout).busiest_rows,
     }
+
+
+def _node_aware_row(flat: Prediction, node: Prediction) -> dict:
+    """(e-n) against (e): the step, the exchange's two blocking parts and the share of ids
+    that still cross between nodes once each node's are merged."""
+    return {"step_over_flat": node.step_s / flat.step_s, "dedup_ratio": node.detail["node_dedup_ratio"],
+            **{f"{k}_s": {"flat": flat.detail[f"{k}_s"], "node": node.detail[f"{k}_s"]}
+               for k in ("exchange_fwd", "grad_rows")}}
 
 
 def _model_summary(prof: Profile) -> dict:
@@ -263,7 +276,8 @@ def _assumption_lines(study: dict) -> List[str]:
         "(vocab-parallel when its bytes are below the table all-gather's, else the table all-gathered; stated per "
         f"row); 2D schedule with {a['embrace_bucket_bytes'] >> 20} MB buckets cut into "
         f"{a['embrace_piece_bytes'] >> 20} MB pieces; the exchange flat and the dense all-reduce one ring (the "
-        "defaults); relaxed embedding dependency off (the default; it refuses fp16 loss scaling).",
+        "defaults); relaxed embedding dependency off (the default; it refuses fp16 loss scaling). On nodes, "
+        "(e) with the node-aware exchange is projected beside it (its own section).",
         f"* Baselines (every registered stock strategy): {labels}; ZeRO buckets of "
         f"{a['zero_bucket_numel'] / 1e6:.1f} M elements. "
         "Columns give each baseline's step over (e)'s (above 1: (e) is faster); \"over floor\" is a step over the "
@@ -308,6 +322,38 @@ def _world_table(study: dict, topo: str, world: int) -> List[str]:
     return L + [""]
 
 
+def _node_aware(study: dict, worlds: Sequence[int]) -> List[str]:
+    rows = [r for m in study["models"].values() for r in m["results"]
+            if r["variant"] == "as_built" and r.get("node_aware")]
+    if not rows:
+        return []
+    topos = sorted({r["topology"] for r in rows})
+    L = [f"## Node-aware exchange (e-n) against the flat one (e), {', '.join(topos)}", "",
+         "As built otherwise. Each GPU's ids go to a proxy on its node (the fast link), which merges the node's "
+         "ids and asks each owner once along its rail; rows and gradient rows take the same hops. Cells: (e-n)'s "
+         "step over (e)'s (below 1: node-aware is faster), and the forward exchange, (e) -> (e-n). "
+         "'ids across': ids crossing between nodes, node-aware over flat (the Zipf model; measured on real "
+         "batches: results/bench/node_dedup.json).", "",
+         "| model | topology | link | ids across | " + " | ".join(f"{w} GPUs" for w in worlds) + " |",
+         "|---|---|---|---" + "|---" * len(worlds) + "|"]
+    for name in study["models"]:
+        for topo in topos:
+            for link in sorted({r["link_gbit"] for r in rows if r["topology"] == topo}):
+                cells, ratio = [], None
+                for w in worlds:
+                    sel = [r for r in _select(study, name, variant="as_built", topology=topo, link_gbit=link,
+                                              world_size=w) if r.get("node_aware")]
+                    if not sel:
+                        cells.append("-")
+                        continue
+                    na = sel[0]["node_aware"]
+                    ratio, ex = na["dedup_ratio"], na["exchange_fwd_s"]
+                    cells.append(f"{na['step_over_flat']:.3f} ({1e3 * ex['flat']:.1f} -> {1e3 * ex['node']:.1f} ms)")
+                if ratio is not None:
+                    L.append(f"| {name} | {topo} | {link:g} Gbit/s | {ratio:.2f} | " + " | ".join(cells) + " |")
+    return L + [""]
+
+
 def _what_if(study: dict, worlds: Sequence[int], link: float = 25.0) -> List[str]:
     topo = list(study["assumptions"]["topologies"])[0]
     L = [f"## What-if (not built): contiguous shards instead of strided, {topo}, {link:g} Gbit/s", "",
@@ -342,7 +388,8 @@ def _latency_table(rows: List[dict]) -> List[str]:
 
 def markdown(study: dict) -> str:
     """The projection: assumptions, headline, a table per topology and world size, the
-    what-if, the latency sensitivity (when the study has it), the paper's claims."""
+    node-aware exchange on nodes, the what-if, the latency sensitivity (when the study has
+    it), the paper's claims."""
     worlds = sorted({r["world_size"] for m in study["models"].values() for r in m["results"]})
     big = [w for w in worlds if w >= 16] or worlds
     L = ["# EmbRace projected to 8-64 GPUs (simulator)", ""] + _assumption_lines(study) + _headline(study, big)
@@ -351,6 +398,7 @@ def markdown(study: dict) -> str:
     for topo in study["assumptions"]["topologies"]:
         for w in worlds:
             L += _world_table(study, topo, w)
+    L += _node_aware(study, big)
     L += _what_if(study, worlds) + _latency_table(study.get("latency_sensitivity", []))
     L += ["Reported by the paper (as found; no per-model figures were found):", ""]
     for c in study["paper_reported"]:

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 from embrace_fairseq.perf.simulator.network import Network
 from embrace_fairseq.perf.simulator.profile import Options, Profile
-from embrace_fairseq.perf.simulator.sparse_loads import SparseLoads
+from embrace_fairseq.perf.simulator.sparse_loads import NodeLoads, SparseLoads
 
 
 @dataclass
@@ -54,6 +54,15 @@ class CostContext:
     @cached_property
     def loads(self) -> SparseLoads:
         return self.profile.loads(self.world_size, self.opts.shard_layout)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per node in this job (1: every rank its own node, the world: one node)."""
+        return self.net.per_node(self.world_size)
+
+    @cached_property
+    def node_loads(self) -> NodeLoads:
+        return self.profile.node_loads(self.world_size, self.ranks_per_node, self.opts.shard_layout)
 
     def prediction(self, step_s: float, comm_s: float, exposed_s: float,
                    detail: Optional[Dict[str, float]] = None) -> Prediction:

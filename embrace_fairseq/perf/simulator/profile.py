@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from embrace_fairseq.perf.simulator.sparse_loads import SparseLoads, sparse_loads
+from embrace_fairseq.perf.simulator.sparse_loads import NodeLoads, SparseLoads, node_loads, sparse_loads
 
 
 @dataclass
@@ -47,6 +47,15 @@ class Profile:
         cache = self.__dict__.setdefault("_loads_cache", {})
         if key not in cache:
             cache[key] = self._loads(world_size, layout)
+        return cache[key]
+
+    def node_loads(self, world_size: int, ranks_per_node: int, layout: str = "contiguous") -> NodeLoads:
+        """The node-aware exchange's two hops for the per-rank draws of :meth:`loads`."""
+        key = ("node", world_size, ranks_per_node, layout, self.vocab, self.tokens_per_rank, self.zipf_s)
+        cache = self.__dict__.setdefault("_loads_cache", {})
+        if key not in cache:
+            cache[key] = node_loads(self.vocab, world_size, ranks_per_node, self.loads(world_size, layout),
+                                    zipf_s=self.zipf_s, layout=layout)
         return cache[key]
 
     def _loads(self, world_size: int, layout: str) -> SparseLoads:

@@ -4,6 +4,11 @@ Measured unique ids per rank are matched by a Zipf law over the (frequency-sorte
 vocabulary, which also gives what a contiguous shard plan implies: the rank owning
 the head of the vocabulary serves far more rows than the others, and the share of
 gradient rows the next batch reads.
+
+On nodes, the same law gives what the node-aware exchange merges (:func:`node_loads`):
+the ``K`` ranks of a node draw ``K`` times the tokens of one, so their union of unique
+ids is the per-rank count at ``K`` times the draws, less than ``K`` per-rank counts
+because hot ids are drawn by several ranks.
 """
 from __future__ import annotations
 
@@ -25,6 +30,25 @@ class SparseLoads:
     busiest_rows: float  # max over ranks of max(rows it sends, rows it receives)
     next_step_share: float  # share of gradient rows the next step reads (urgent ones)
     tokens_eff: float  # Zipf draws per rank that give unique_mean
+
+
+@dataclass(frozen=True)
+class NodeLoads:
+    """Per-step rows of the exchange on nodes, for one world size and node size: the two
+    hops of the node-aware exchange, and what each route puts through the busiest node's NIC.
+
+    Every figure is a count of rows (or ids) each way; the bytes follow from the row and
+    id sizes. A NIC figure is the max over nodes of the larger direction: the rows its
+    ranks send off the node or the rows they receive from other nodes (full duplex).
+    """
+
+    ranks_per_node: int
+    node_unique_mean: float  # unique ids of a node's ranks together (the proxies' union)
+    dedup_ratio: float  # ids crossing between nodes per step, node-aware over flat
+    node_hop_rows: float  # inside the node: max over ranks of max(rows sent to, received from its proxies)
+    rail_rows: float  # across nodes: max over ranks of max(rows it sends, rows it receives) on its rail
+    rail_nic_rows: float  # the node's K rails through its NIC
+    flat_nic_rows: float  # the flat exchange's rows leaving (entering) the node through its NIC
 
 
 @functools.lru_cache(maxsize=32)
@@ -84,12 +108,7 @@ def sparse_loads(
     q = _expected_present(p, draws)
     u = float(q.sum())
     n = world_size
-    base, extra = divmod(vocab, n)
-    bounds = np.cumsum([0] + [base + (1 if r < extra else 0) for r in range(n)])
-    if layout == "strided":
-        own = np.array([q[r::n].sum() for r in range(n)])
-    else:
-        own = np.array([q[bounds[r] : bounds[r + 1]].sum() for r in range(n)])
+    own = _owned(q, n, layout)
     sends = (n - 1) * own  # an owner serves every other rank's requests of its rows
     recvs = u - own  # a rank receives the rows it does not own
     busiest = float(np.max(np.maximum(sends, recvs))) if n > 1 else 0.0
@@ -104,4 +123,66 @@ def sparse_loads(
         busiest_rows=busiest * scale,
         next_step_share=share,
         tokens_eff=draws,
+    )
+
+
+def _owned(q: np.ndarray, n: int, layout: str) -> np.ndarray:
+    """Expected ids of each owner among those with presence ``q`` (id order = frequency rank)."""
+    if layout == "strided":
+        return np.array([q[r::n].sum() for r in range(n)])
+    base, extra = divmod(len(q), n)
+    bounds = np.cumsum([0] + [base + (1 if r < extra else 0) for r in range(n)])
+    return np.array([q[bounds[r] : bounds[r + 1]].sum() for r in range(n)])
+
+
+def node_loads(vocab: int, world_size: int, ranks_per_node: int, loads: SparseLoads, *, zipf_s: float = 1.0,
+               layout: str = "contiguous") -> NodeLoads:
+    """What the exchange moves on ``world_size`` ranks in nodes of ``ranks_per_node`` (ranks
+    numbered node by node), for the per-rank draws of ``loads`` (:func:`sparse_loads`, whose
+    measured-to-model scale it keeps).
+
+    Node-aware route (:mod:`embrace_fairseq.core.node_exchange`). Node hop: a rank sends
+    each unique id to its proxy, the rank of its node with the owner's local index (ids of
+    its own local index stay on it); a proxy receives its index's ids from the ``K - 1``
+    others. Rail hop: a proxy asks each owner on its rail for the node's union of that
+    owner's ids (``K`` ranks' draws together); an owner receives one such request per other
+    node. Flat route: a node's owners answer every rank off the node, its ranks ask every
+    owner off it. Rows and gradient rows take the same hops as the ids, as many each way.
+
+    The NICs are summed over the node's ranks rather than taken as ``K`` times the busiest
+    rank: the same when every rank is as busy (strided shards), far less when one rank
+    serves the head of the vocabulary (contiguous shards). With one rank per node the rail
+    hop is the flat exchange.
+    """
+    n, k = world_size, ranks_per_node
+    if k < 1 or n % k:
+        raise ValueError(f"{n} ranks do not fill nodes of {k}")
+    p = _zipf_probs(vocab, zipf_s)
+    q_rank = _expected_present(p, loads.tokens_eff)
+    q_node = _expected_present(p, k * loads.tokens_eff)
+    u, u_node = float(q_rank.sum()), float(q_node.sum())
+    scale = loads.unique_mean / u if u > 0 else 1.0
+    m = n // k
+    own_rank = _owned(q_rank, n, layout).reshape(m, k)  # [node, local index]: a rank's ids by owner
+    own_node = _owned(q_node, n, layout).reshape(m, k)  # a node's union by owner
+    by_proxy = own_rank.sum(axis=0)  # a rank's ids per proxy (local index of their owner)
+    node_hop = np.maximum(u - by_proxy, (k - 1) * by_proxy).max() if k > 1 else 0.0
+    rail = own_node.sum(axis=0)  # a node's union per rail
+    rail_rows = np.maximum(rail[None, :] - own_node, (m - 1) * own_node).max() if m > 1 else 0.0
+    # through each NIC: owners answer the ranks (proxies) off the node, the ranks (proxies)
+    # receive what is owned off it
+    on_node, on_node_union = own_rank.sum(axis=1), own_node.sum(axis=1)
+    flat_nic = np.maximum((n - k) * on_node, k * (u - on_node)).max()
+    rail_nic = np.maximum((m - 1) * on_node_union, u_node - on_node_union).max()
+    # ids whose owner is on another node, summed over the nodes: each rank's own (flat)
+    # against each node's union (what the node-aware route sends)
+    flat_across = float((k * (u - on_node)).sum())
+    return NodeLoads(
+        ranks_per_node=k,
+        node_unique_mean=u_node * scale,
+        dedup_ratio=float((u_node - on_node_union).sum()) / flat_across if flat_across > 0 else 1.0,
+        node_hop_rows=float(node_hop) * scale,
+        rail_rows=float(rail_rows) * scale,
+        rail_nic_rows=float(rail_nic) * scale,
+        flat_nic_rows=float(flat_nic) * scale,
     )
