@@ -131,13 +131,13 @@ def test_cli_prints_and_writes(tmp_path, capsys):
 
 def test_markdown_section():
     res = out_of_sample(_bench(scale_b=1.3), fit_on=("A", 1.0), grid=GRID)
-    md = "\n".join(bench_markdown._simulator({"simulator": res}))
+    md = "\n".join(bench_markdown.simulator_section({"simulator": res}))
     assert md.startswith("## Simulator, out of sample")
     assert "**A** at 1 Gbit/s" in md and "efficiency 0.75" in md
     assert "| B | 1 Gbit/s | 8 | -23.1 % | 23.1 % | 23.1 % |" in md and "| B | all | 16 |" in md
     assert "MISSED" in md
-    assert bench_markdown._simulator({}) == []
-    failed = bench_markdown._simulator({"simulator": {"error": "ValueError: boom"}})
+    assert bench_markdown.simulator_section({}) == []
+    failed = bench_markdown.simulator_section({"simulator": {"error": "ValueError: boom"}})
     assert "Not computed: ValueError: boom" in "\n".join(failed)
 
 

@@ -274,7 +274,7 @@ def _error_row(model: str, link: str, s: Dict[str, Any]) -> str:
             f"{_pct(s['mean_abs_rel_error'])} | {_pct(s['max_abs_rel_error'])} |")
 
 
-def _simulator(result: Dict[str, Any]) -> List[str]:
+def simulator_section(result: Dict[str, Any]) -> List[str]:
     """The simulator fitted on one model and link, its errors on every other run."""
     sim = result.get("simulator")
     if not sim:
@@ -321,7 +321,7 @@ def _strategies(result: Dict[str, Any]) -> List[str]:
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
     L = _setup(result["meta"]) + _strategies(result) + _profiles(result) + _run_tables(result) + _layouts(result)
     L += _ablation(result)
-    L += _nodes(result) + _goal(result) + _simulator(result)
+    L += _nodes(result) + _goal(result) + simulator_section(result)
     L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "

@@ -16,12 +16,13 @@ together (knobs fitted on one model and link, every other run predicted).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from embrace_fairseq.perf.bench.keys import run_key
-from embrace_fairseq.perf.bench.markdown import _simulator as _simulator_section
+from embrace_fairseq.perf.bench.markdown import simulator_section
 from embrace_fairseq.perf.bench.stats import CONFIDENCE, paired_ratio_interval
 from embrace_fairseq.perf.strategies import get_strategy, sharded_strategies
 
@@ -59,15 +60,19 @@ def speedups(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
-    """Per run key: each strategy's median step over the compute-only floor's."""
-    floors = {_key(r): r["median_step_s"] for r in runs if r["strategy"] == FLOOR}
+def _over(runs: List[Dict[str, Any]], field: str, per_key: Dict[str, float]) -> Dict[str, Dict[str, float]]:
+    """Per run key: each strategy's ``field`` over that key's reference value (the floor aside)."""
     out: Dict[str, Dict[str, float]] = {}
     for r in runs:
-        f = floors.get(_key(r))
-        if f and r["strategy"] != FLOOR:
-            out.setdefault(_key(r), {})[r["strategy"]] = r["median_step_s"] / f
+        ref = per_key.get(_key(r))
+        if ref and r["strategy"] != FLOOR:
+            out.setdefault(_key(r), {})[r["strategy"]] = r[field] / ref
     return out
+
+
+def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Per run key: each strategy's median step over the compute-only floor's."""
+    return _over(runs, "median_step_s", {_key(r): r["median_step_s"] for r in runs if r["strategy"] == FLOOR})
 
 
 def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -77,7 +82,7 @@ def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     for b in benches:
         for name, p in b["profiles"].items():
             if name not in profiles:
-                profiles[name] = json.loads(json.dumps(p))
+                profiles[name] = copy.deepcopy(p)
             else:
                 profiles[name]["unique_ids_per_rank"].update(p.get("unique_ids_per_rank", {}))
     return {"meta": benches[0]["meta"], "profiles": profiles, "runs": [r for b in benches for r in b["runs"]]}
@@ -125,12 +130,7 @@ def bytes_over_best(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
         m = r.get("min_bytes_per_rank_per_step")
         if r["strategy"] != FLOOR and m:
             best[_key(r)] = min(best.get(_key(r), m), m)
-    out: Dict[str, Dict[str, float]] = {}
-    for r in runs:
-        b = best.get(_key(r))
-        if b and r["strategy"] != FLOOR:
-            out.setdefault(_key(r), {})[r["strategy"]] = r["bytes_total_per_rank_per_step"] / b
-    return out
+    return _over(runs, "bytes_total_per_rank_per_step", best)
 
 
 def fit_sensitivity(bench: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -210,7 +210,7 @@ def markdown(s: Dict[str, Any]) -> str:
                          s["bytes_over_best_min"])
     L += _strategy_table("Bytes over the strategy's own analytic minimum", s["bytes_over_min"])
     # the run reports' section, over all runs together
-    sim = _simulator_section({"simulator": s["simulator"]})
+    sim = simulator_section({"simulator": s["simulator"]})
     L += [sim[0] + ", all runs together"] + sim[1:] if sim else []
     sens = s["simulator"].get("fit_sensitivity") or []
     if sens:
