@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The full benchmark: every run the README's figures come from, then their summary.
-#   scripts/bench_full.sh            # about 60 min on a 2-core machine; results/bench/full/
+#   scripts/bench_full.sh            # about 70 min on a 2-core machine; results/bench/full/
 #   OUT=/tmp/b ROUNDS=1 STEPS=1 scripts/bench_full.sh   # a smoke run of the same plan
 # Runs (each its own bench.json and report.md under results/bench/full/<run>/), every one
 # with strategies and link speeds (1, 2.5, 10 Gbit/s) interleaved round by round:
@@ -19,9 +19,10 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-results/bench/full}"
-STEPS_ARGS=()
+# 4 rounds x 4 timed steps per strategy and link: 16 paired steps, enough for every
+# ratio's 95 % interval to stay within +-10 % on this machine (12 left some at +-9 %)
+STEPS_ARGS=(--steps-per-round "${STEPS:-4}")
 [ -n "${ROUNDS:-}" ] && STEPS_ARGS+=(--rounds "$ROUNDS")
-[ -n "${STEPS:-}" ] && STEPS_ARGS+=(--steps-per-round "$STEPS")
 bench() { "$PY" -m embrace_fairseq.perf.bench ${STEPS_ARGS[@]+"${STEPS_ARGS[@]}"} "$@"; }
 
 bench --out "$OUT/w4"

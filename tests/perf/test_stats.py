@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from embrace_fairseq.perf.bench.stats import paired_ratio_interval, ratio_of_medians
+from embrace_fairseq.perf.bench.stats import (LEGACY_RATIO_STATISTIC, RATIO_STATISTIC, paired_ratio_interval,
+                                            ratio_of_medians, ratio_statistic)
 
 
 def _paired(n, true_ratio, batch_spread, noise, seed=1):
@@ -47,3 +48,23 @@ def test_reproducible_and_checked():
     assert ratio_of_medians([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == 2.0
     with pytest.raises(ValueError, match="no paired steps"):
         paired_ratio_interval([], [1.0])
+
+
+def test_the_mean_ratio_is_the_throughput_ratio_and_the_median_is_kept_for_old_results():
+    num, den = [2.0, 2.0, 8.0], [1.0, 1.0, 1.0]
+    # three batches: the baseline took 12 s, the subject 3 s: 4x the throughput
+    assert paired_ratio_interval(num, den)["ratio"] == pytest.approx(4.0)
+    assert paired_ratio_interval(num, den, statistic="median")["ratio"] == pytest.approx(2.0)
+    assert ratio_statistic({}) == LEGACY_RATIO_STATISTIC == "median"
+    assert ratio_statistic({"ratio_statistic": RATIO_STATISTIC}) == "mean"
+    with pytest.raises(ValueError, match="unknown ratio statistic"):
+        paired_ratio_interval(num, den, statistic="mode")
+
+
+def test_the_mean_ratios_interval_narrows_where_the_medians_is_ragged():
+    # a dozen steps with scheduling noise: the median's bootstrap takes a few values only
+    num, den = _paired(12, 1.2, 0.2, 0.08, seed=5)
+    mean, median = (paired_ratio_interval(num, den, statistic=s) for s in ("mean", "median"))
+    for r in (mean, median):
+        assert r["low"] <= r["ratio"] <= r["high"]
+    assert mean["high"] - mean["low"] < median["high"] - median["low"]

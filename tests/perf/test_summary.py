@@ -9,11 +9,11 @@ def _run(model, n, strategy, steps, over_min=1.0):
             "step_s": steps, "median_step_s": sorted(steps)[len(steps) // 2], "bytes_over_min": over_min}
 
 
-def _bench(tmp_path, name, runs, commit):
+def _bench(tmp_path, name, runs, commit, **meta_extra):
     d = tmp_path / name
     d.mkdir()
     meta = {"command": f"bench {name}", "source": {"commit": commit, "dirty": False}, "wall_s": 120.0,
-            "machine": {"cpus": 2}, "fallback_loopback": False}
+            "machine": {"cpus": 2}, "fallback_loopback": False, **meta_extra}
     (d / "bench.json").write_text(json.dumps({"meta": meta, "profiles": {}, "runs": runs}))
     return d
 
@@ -57,3 +57,18 @@ def test_bytes_over_the_best_design_measured():
             dict(_run("lm", 4, "compute_floor", [1.0]), min_bytes_per_rank_per_step=0.0,
                  bytes_total_per_rank_per_step=0.0)]
     assert bytes_over_best(runs) == {"lm/w4/1gbit_0.1ms": {"fairseq_c10d": 5.0, "embrace_schedule": 1.05}}
+
+
+def test_each_run_is_read_with_the_statistic_it_recorded(tmp_path):
+    steps = {"fairseq_c10d": [2.0, 2.0, 8.0], "embrace_schedule": [1.0, 1.0, 1.0], "compute_floor": [1.0, 1.0, 1.0]}
+    old = _bench(tmp_path, "old", [_run("lm", 4, s, v) for s, v in steps.items()], "d" * 40)
+    new = _bench(tmp_path, "new", [_run("lm", 8, s, v) for s, v in steps.items()], "e" * 40, ratio_statistic="mean")
+    s = summarize([old, new])
+    got = {x["world_size"]: (x["ratio"], x["statistic"]) for x in s["speedups"]}
+    # the older run's ratio of medians (2 s / 1 s), the newer one's ratio of total times (12 s / 3 s)
+    assert got == {4: (2.0, "median"), 8: (4.0, "mean")}
+    assert s["over_floor"]["lm/w8/1gbit_0.1ms"]["fairseq_c10d"] == 4.0
+    assert s["statistics"] == ["mean", "median"]
+    assert main([str(old), str(new), "--out", str(tmp_path / "summary")]) == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "as its run recorded" in md and "| mean |" in md and "| median |" in md

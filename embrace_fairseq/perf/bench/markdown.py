@@ -6,7 +6,7 @@ import statistics
 from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.bench.keys import run_key
-from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, verdict
+from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, STATISTIC_WORDS, ratio_statistic, verdict
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, STRATEGIES, get_strategy
 
 
@@ -164,6 +164,11 @@ def _why(result: Dict[str, Any], model: str) -> List[str]:
             "longer in the run and the communication left to save is a smaller part of the step."]
 
 
+def _of(result: Dict[str, Any]) -> str:
+    """What the result's ratios divide, in words (:data:`.stats.STATISTIC_WORDS`)."""
+    return STATISTIC_WORDS[ratio_statistic(result.get("meta") or {})]
+
+
 def _layouts(result: Dict[str, Any]) -> List[str]:
     """Strided against contiguous shards, per run: step ratio with its interval, and balance."""
     checks = result.get("layouts") or {}
@@ -171,7 +176,7 @@ def _layouts(result: Dict[str, Any]) -> List[str]:
         return []
     conf = 100 * result.get("confidence", 0.95)
     L = ["## Shard layouts: strided (default) against contiguous", "",
-         f"Ratio = (e') contiguous median step / (e) strided median step, {conf:.0f} % paired-bootstrap interval; "
+         f"Ratio = (e') contiguous step / (e) strided step ({_of(result)}), {conf:.0f} % paired-bootstrap interval; "
          "owner side max/mean = the busiest rank's bytes over the mean rank's (rows sent in forward, gradient rows "
          "received in backward). Goal: strided no slower at any rank count (interval's lower end at least "
          f"{1 - NO_WORSE_MARGIN:.2f}: at most {100 * NO_WORSE_MARGIN:.0f} % slower), faster where the exchange is "
@@ -195,7 +200,7 @@ def _ablation(result: Dict[str, Any]) -> List[str]:
         return []
     conf = 100 * result.get("confidence", 0.95)
     L = ["## The 2D schedule, part by part", "",
-         f"FIFO / variant = FIFO overlap's median step over the variant's, {conf:.0f} % paired-bootstrap interval "
+         f"FIFO / variant = FIFO overlap's step over the variant's ({_of(result)}), {conf:.0f} % paired-bootstrap interval "
          "(above 1: the variant is faster); hidden = share of communication time overlapped by compute; "
          "over floor = median step / the compute-only floor's.", "",
          "| run | variant | median step s | FIFO / variant | hidden | over floor |", "|---|---|---|---|---|---|"]
@@ -322,7 +327,7 @@ def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
     L = _setup(result["meta"]) + _strategies(result) + _profiles(result) + _run_tables(result) + _layouts(result)
     L += _ablation(result)
     L += _nodes(result) + _goal(result) + simulator_section(result)
-    L.append("Ratios are (other strategy's median step) / ((e)'s median step). 'loss drift' = largest relative "
+    L.append(f"Ratios are (other strategy's step) / ((e)'s step), each the {_of(result)}. 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "
              "ledger for (d)/(e) and from the collectives the stock paths issue; 'wire' = tx_bytes of the rank's "

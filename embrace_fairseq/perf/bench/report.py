@@ -19,7 +19,8 @@ from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
 from embrace_fairseq.perf.bench.workloads import tied_tables
-from embrace_fairseq.perf.bench.stats import CONFIDENCE, faster, no_worse, paired_ratio_interval
+from embrace_fairseq.perf.bench.stats import (CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval,
+                                              ratio_statistic)
 from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model; judged on the
@@ -169,16 +170,18 @@ def _by_key(runs: List[Dict[str, Any]]) -> Dict[Tuple[str, str], Dict[str, Any]]
              r["strategy"]): r for r in runs}
 
 
-def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, float]]]:
-    """Median step of each strategy over the subject's, per run key, with its paired-bootstrap
-    interval (:mod:`.stats`): every strategy steps through the same batches, so step ``i``
-    of one pairs with step ``i`` of the other."""
+def _ratio_intervals(runs: List[Dict[str, Any]],
+                     statistic: str = RATIO_STATISTIC) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Each strategy's step over the subject's (``statistic`` of the timed steps: the mean,
+    a ratio of throughputs), per run key, with its paired-bootstrap interval (:mod:`.stats`):
+    every strategy steps through the same batches, so step ``i`` of one pairs with step
+    ``i`` of the other."""
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     by = _by_key(runs)
     for (key, s), r in by.items():
         e = by.get((key, SPEEDUP_SUBJECT))
         if e and s != SPEEDUP_SUBJECT:
-            out.setdefault(key, {})[s] = paired_ratio_interval(r["step_s"], e["step_s"])
+            out.setdefault(key, {})[s] = paired_ratio_interval(r["step_s"], e["step_s"], statistic=statistic)
     return out
 
 
@@ -211,7 +214,7 @@ def layout_check(runs: List[Dict[str, Any]],
     return out
 
 
-def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+def schedule_ablation(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, List[Dict[str, Any]]]:
     """Per run key where FIFO overlap ran: each ablation variant's median step, FIFO's
     median step over the variant's with its paired-bootstrap interval (above 1: the
     variant is faster), its hidden share and its step over the compute-only floor."""
@@ -227,14 +230,14 @@ def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, An
             if r is None:
                 continue
             rows.append({"strategy": name, "median_step_s": r["median_step_s"],
-                         "fifo_over_variant": paired_ratio_interval(base["step_s"], r["step_s"]),
+                         "fifo_over_variant": paired_ratio_interval(base["step_s"], r["step_s"], statistic=statistic),
                          "hidden_share": r.get("hidden_share"),
                          "over_floor": r["median_step_s"] / floor["median_step_s"] if floor else None})
         out[key] = rows
     return out
 
 
-def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+def node_exchange_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, Any]:
     """Per run key on several ranks per node where the node-aware exchange ran beside the
     subject (flat exchange): the exchange's inter-node bytes per node and step of each,
     node-aware over flat (goal: at most :data:`NODE_BYTES_GOAL`), and the flat step over
@@ -248,7 +251,7 @@ def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
             continue
         fb, nb = (sum((r.get("inter_node_bytes_per_node_per_step") or {}).get(k, 0.0) for k in EXCHANGE_KINDS)
                   for r in (flat, node))
-        iv = paired_ratio_interval(flat["step_s"], node["step_s"])
+        iv = paired_ratio_interval(flat["step_s"], node["step_s"], statistic=statistic)
         entry: Dict[str, Any] = {
             "flat_exchange_inter_node_bytes": fb, "node_exchange_inter_node_bytes": nb,
             "bytes_node_over_flat": nb / fb if fb else None, "flat_over_node_step": iv,
@@ -260,7 +263,7 @@ def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+def two_level_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, Any]:
     """Per run key on several ranks per node where both ran: the dense all-reduce's
     inter-node bytes per node and step in two levels (``embrace_two_level``) and in one
     ring (the subject, the same otherwise), and the ring's step over the two-level one
@@ -273,13 +276,14 @@ def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
             continue
         dense = [(r.get("inter_node_bytes_per_node_per_step") or {}).get("dense_allreduce", 0.0) for r in (ring, two)]
         out[key] = {"ring_dense_inter_node_bytes": dense[0], "two_level_dense_inter_node_bytes": dense[1],
-                    "ring_over_two_level_step": paired_ratio_interval(ring["step_s"], two["step_s"])}
+                    "ring_over_two_level_step": paired_ratio_interval(ring["step_s"], two["step_s"],
+                                                                        statistic=statistic)}
     return out
 
 
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
-    meta = dict(meta, bounds="perf.bounds.min_bytes_per_step")
+    meta = dict(meta, bounds="perf.bounds.min_bytes_per_step", ratio_statistic=RATIO_STATISTIC)
     # the machine's 1-minute load, sampled after every round of every launch
     load = [x for launch in raw for link in launch["ranks"][0]["links"] for x in link.get("load_1min", [])]
     if load:
@@ -329,11 +333,11 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         # for the simulator: how EmbRace's automatic choice read a tied table in most steps
         # (None: untied); a run's own recorded bytes say it per world size
         pm["tied_output"] = statistics.mode(pm.pop("_paths") or [None])
-    intervals = _ratio_intervals(runs)
+    intervals = _ratio_intervals(runs, RATIO_STATISTIC)
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
-              "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
-              "nodes": node_exchange_check(runs), "two_level": two_level_check(runs),
+              "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs, RATIO_STATISTIC),
+              "nodes": node_exchange_check(runs, RATIO_STATISTIC), "two_level": two_level_check(runs, RATIO_STATISTIC),
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     result["simulator"] = simulator_check(result)
@@ -368,8 +372,8 @@ def goal_check(result: Dict[str, Any]) -> Dict[str, Any]:
         key = run_key(model, 4, {"gbit": 1.0, "latency_ms": sel[0]["latency_ms"]})
         for s, target in targets.items():
             if s in by:
-                ratio = by[s]["median_step_s"] / e["median_step_s"]
                 iv = result.get("ratio_intervals", {}).get(key, {}).get(s)
+                ratio = iv["ratio"] if iv else by[s]["median_step_s"] / e["median_step_s"]
                 judged = iv["low"] if iv else ratio
                 g[f"speedup_over_{s}"] = {"target": target, "measured": ratio, "met": judged >= target,
                                           "interval": [iv["low"], iv["high"]] if iv else None,

@@ -4,8 +4,9 @@ The full run is several benchmark runs (``scripts/bench_full.sh``: the main mode
 ranks, the 6+6-layer IWSLT model on 4 ranks with fewer strategies so that their copies fit
 in memory, the smaller models on 8 ranks), each with its own ``bench.json``. This page
 lists, for each run key (model, ranks, link), EmbRace's step against every stock
-baseline's as a speedup (baseline median step / EmbRace median step) with its 95 %
-paired-bootstrap interval (:mod:`.stats`), for EmbRace at ZeRO-0 (the 2D schedule) and at
+baseline's as a speedup (baseline step / EmbRace step, each the statistic its run recorded:
+the mean over the timed steps, a ratio of throughputs, or in older runs the median) with
+its 95 % paired-bootstrap interval (:mod:`.stats`), for EmbRace at ZeRO-0 (the 2D schedule) and at
 ZeRO-1; every strategy's step over the compute-only floor and its bytes over the analytic
 minimum; the commit each run measured; and the simulator out of sample over all runs
 together (knobs fitted on one model and link, every other run predicted).
@@ -23,7 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from embrace_fairseq.perf.bench.keys import run_key
 from embrace_fairseq.perf.bench.markdown import simulator_section
-from embrace_fairseq.perf.bench.stats import CONFIDENCE, paired_ratio_interval
+from embrace_fairseq.perf.bench.stats import (CONFIDENCE, LEGACY_RATIO_STATISTIC, RATIO_STATISTIC, STATISTIC_WORDS,
+                                              paired_ratio_interval, ratio_of, ratio_statistic)
 from embrace_fairseq.perf.strategies import get_strategy, sharded_strategies
 
 #: EmbRace as a user runs it: dense layers at ZeRO-0 under the 2D schedule, or under ZeRO-1
@@ -37,8 +39,9 @@ def _key(r: Dict[str, Any]) -> str:
     return run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]})
 
 
-def speedups(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Per run key, subject and stock baseline: baseline step / subject step with its interval."""
+def speedups(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> List[Dict[str, Any]]:
+    """Per run key, subject and stock baseline: baseline step / subject step with its interval
+    (``statistic`` of each one's timed steps; a run may carry its own as ``"_statistic"``)."""
     by: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for r in runs:
         by.setdefault(_key(r), {})[r["strategy"]] = r
@@ -51,12 +54,13 @@ def speedups(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             for base, b in per.items():
                 if base in sharded or base == FLOOR:
                     continue
-                iv = paired_ratio_interval(b["step_s"], per[subject]["step_s"])
+                iv = paired_ratio_interval(b["step_s"], per[subject]["step_s"],
+                                           statistic=b.get("_statistic", statistic))
                 half = max(iv["ratio"] - iv["low"], iv["high"] - iv["ratio"]) / iv["ratio"]
                 out.append({"key": key, "model": b["model"], "world_size": b["world_size"],
                             "link_gbit": b["link_gbit"], "subject": subject, "baseline": base,
                             "ratio": iv["ratio"], "low": iv["low"], "high": iv["high"], "steps": iv["steps"],
-                            "half_width": half})
+                            "half_width": half, "statistic": b.get("_statistic", statistic)})
     return out
 
 
@@ -70,9 +74,17 @@ def _over(runs: List[Dict[str, Any]], field: str, per_key: Dict[str, float]) -> 
     return out
 
 
-def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
-    """Per run key: each strategy's median step over the compute-only floor's."""
-    return _over(runs, "median_step_s", {_key(r): r["median_step_s"] for r in runs if r["strategy"] == FLOOR})
+def over_floor(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, Dict[str, float]]:
+    """Per run key: each strategy's step over the compute-only floor's (the same statistic
+    of the timed steps as the speedups)."""
+    floors = {_key(r): r for r in runs if r["strategy"] == FLOOR}
+    out: Dict[str, Dict[str, float]] = {}
+    for r in runs:
+        f = floors.get(_key(r))
+        if f is not None and r["strategy"] != FLOOR:
+            out.setdefault(_key(r), {})[r["strategy"]] = ratio_of(r["step_s"], f["step_s"],
+                                                                   r.get("_statistic", statistic))
+    return out
 
 
 def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -95,8 +107,10 @@ def summarize(dirs: Sequence[Path], fit_on: Optional[tuple] = None, sensitivity:
         m = b["meta"]
         parts.append({"dir": str(d), "command": m.get("command"), "source": m.get("source"),
                       "wall_s": m.get("wall_s"), "link": m.get("link"), "schedule": m.get("schedule"),
-                      "load_during_run": (m.get("machine") or {}).get("load_during_run")})
-    runs = [r for b in benches for r in b["runs"]]
+                      "load_during_run": (m.get("machine") or {}).get("load_during_run"),
+                      "ratio_statistic": ratio_statistic(m)})
+    # each run read with the statistic its results file recorded
+    runs = [dict(r, _statistic=ratio_statistic(b["meta"])) for b in benches for r in b["runs"]]
     sp = speedups(runs)
     try:
         from embrace_fairseq.perf.simulator.validation import out_of_sample
@@ -106,7 +120,8 @@ def summarize(dirs: Sequence[Path], fit_on: Optional[tuple] = None, sensitivity:
         sim["fit_sensitivity"] = fit_sensitivity(merged) if sensitivity else []
     except Exception as exc:  # the measured figures stand without the simulator
         sim = {"error": f"{type(exc).__name__}: {exc}"}
-    return {"parts": parts, "confidence": CONFIDENCE, "speedups": sp, "over_floor": over_floor(runs),
+    return {"parts": parts, "confidence": CONFIDENCE, "statistics": sorted({s["statistic"] for s in sp}),
+            "speedups": sp, "over_floor": over_floor(runs),
             "bytes_over_min": _bytes_over_min(runs), "bytes_over_best_min": bytes_over_best(runs),
             "max_half_width": max((s["half_width"] for s in sp), default=None),
             "half_width_goal": HALF_WIDTH_GOAL, "simulator": sim}
@@ -168,19 +183,23 @@ def _strategy_table(title: str, per_key: Dict[str, Dict[str, float]]) -> List[st
 
 def markdown(s: Dict[str, Any]) -> str:
     L = ["# Full benchmark, all runs", ""]
-    L.append("Speedup = baseline median step / EmbRace median step, with its "
+    stats = s.get("statistics") or [LEGACY_RATIO_STATISTIC]
+    L.append("Speedup = baseline step / EmbRace step, each the "
+             + " or the ".join(f"{STATISTIC_WORDS[x]} ({x})" for x in stats)
+             + (" as its run recorded" if len(stats) > 1 else "") + ", with its "
              f"{100 * s['confidence']:.0f} % paired-bootstrap interval (steps resampled in pairs). "
              "EmbRace at ZeRO-0 is (e), the 2D schedule; (e-z1) is EmbRace with the dense layers "
              "under DeepSpeed ZeRO-1. Each run's own report.md has the details (bytes by kind, "
              "hidden share, timelines, settings of each baseline).")
     L.append("")
-    L.append("| run | command | commit | wall | load during the run |")
-    L.append("|---|---|---|---|---|")
+    L.append("| run | command | commit | wall | load during the run | ratio of |")
+    L.append("|---|---|---|---|---|---|")
     for p in s["parts"]:
         load = p.get("load_during_run")
         L.append(f"| {p['dir']} | `{p['command']}` | {_commit(p['source'])} | "
                  f"{(p['wall_s'] or 0) / 60:.0f} min | "
-                 + (f"{load['min']:.1f}-{load['max']:.1f}" if load else "-") + " |")
+                 + (f"{load['min']:.1f}-{load['max']:.1f}" if load else "-")
+                 + f" | {p.get('ratio_statistic', LEGACY_RATIO_STATISTIC)} |")
     L.append("")
     for subject in SUBJECTS:
         rows = [x for x in s["speedups"] if x["subject"] == subject]
