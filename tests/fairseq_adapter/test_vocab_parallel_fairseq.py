@@ -103,8 +103,9 @@ SLOW_CASES = [
     # (task, stock arch, nproc, extra flags)
     ("translation", "transformer", 3, ["--share-all-embeddings", "--sentence-avg"]),
     # (with --ignore-prefix-size 1 added, this case departs from stock at update 7 by 1e-4 in gnorm
-    # on the gather path and on the vocab-parallel path alike, and on the commit before either:
-    # not an effect of the output layer)
+    # on both output paths: rounding-level parameter differences put one ReLU pre-activation of
+    # the decoder's fc1 at -1.5e-8 in stock and +2.2e-8 here, which switches that unit's gradient;
+    # the loss stays equal within 4e-6. See the README's limitations.)
     ("translation", "transformer", 3, [*LS, "--share-decoder-input-output-embed"]),
     ("translation", "transformer", 2, [*LS, "--share-all-embeddings", "--update-freq", "2"]),
     ("translation", "transformer", 3, []),
