@@ -19,8 +19,7 @@ from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
 from embrace_fairseq.perf.bench.workloads import tied_tables
-from embrace_fairseq.perf.bench.stats import (CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval,
-                                              ratio_statistic)
+from embrace_fairseq.perf.bench.stats import CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval
 from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model; judged on the
@@ -170,10 +169,9 @@ def _by_key(runs: List[Dict[str, Any]]) -> Dict[Tuple[str, str], Dict[str, Any]]
              r["strategy"]): r for r in runs}
 
 
-def _ratio_intervals(runs: List[Dict[str, Any]],
-                     statistic: str = RATIO_STATISTIC) -> Dict[str, Dict[str, Dict[str, float]]]:
-    """Each strategy's step over the subject's (``statistic`` of the timed steps: the mean,
-    a ratio of throughputs), per run key, with its paired-bootstrap interval (:mod:`.stats`):
+def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Each strategy's step over the subject's (:data:`.stats.RATIO_STATISTIC` of the timed
+    steps: the mean, a ratio of throughputs), per run key, with its paired-bootstrap interval (:mod:`.stats`):
     every strategy steps through the same batches, so step ``i`` of one pairs with step
     ``i`` of the other."""
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
@@ -181,7 +179,7 @@ def _ratio_intervals(runs: List[Dict[str, Any]],
     for (key, s), r in by.items():
         e = by.get((key, SPEEDUP_SUBJECT))
         if e and s != SPEEDUP_SUBJECT:
-            out.setdefault(key, {})[s] = paired_ratio_interval(r["step_s"], e["step_s"], statistic=statistic)
+            out.setdefault(key, {})[s] = paired_ratio_interval(r["step_s"], e["step_s"])
     return out
 
 
@@ -214,7 +212,7 @@ def layout_check(runs: List[Dict[str, Any]],
     return out
 
 
-def schedule_ablation(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, List[Dict[str, Any]]]:
+def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
     """Per run key where FIFO overlap ran: each ablation variant's median step, FIFO's
     median step over the variant's with its paired-bootstrap interval (above 1: the
     variant is faster), its hidden share and its step over the compute-only floor."""
@@ -230,14 +228,14 @@ def schedule_ablation(runs: List[Dict[str, Any]], statistic: str = RATIO_STATIST
             if r is None:
                 continue
             rows.append({"strategy": name, "median_step_s": r["median_step_s"],
-                         "fifo_over_variant": paired_ratio_interval(base["step_s"], r["step_s"], statistic=statistic),
+                         "fifo_over_variant": paired_ratio_interval(base["step_s"], r["step_s"]),
                          "hidden_share": r.get("hidden_share"),
                          "over_floor": r["median_step_s"] / floor["median_step_s"] if floor else None})
         out[key] = rows
     return out
 
 
-def node_exchange_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, Any]:
+def node_exchange_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per run key on several ranks per node where the node-aware exchange ran beside the
     subject (flat exchange): the exchange's inter-node bytes per node and step of each,
     node-aware over flat (goal: at most :data:`NODE_BYTES_GOAL`), and the flat step over
@@ -251,7 +249,7 @@ def node_exchange_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATI
             continue
         fb, nb = (sum((r.get("inter_node_bytes_per_node_per_step") or {}).get(k, 0.0) for k in EXCHANGE_KINDS)
                   for r in (flat, node))
-        iv = paired_ratio_interval(flat["step_s"], node["step_s"], statistic=statistic)
+        iv = paired_ratio_interval(flat["step_s"], node["step_s"])
         entry: Dict[str, Any] = {
             "flat_exchange_inter_node_bytes": fb, "node_exchange_inter_node_bytes": nb,
             "bytes_node_over_flat": nb / fb if fb else None, "flat_over_node_step": iv,
@@ -263,7 +261,7 @@ def node_exchange_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATI
     return out
 
 
-def two_level_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, Any]:
+def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per run key on several ranks per node where both ran: the dense all-reduce's
     inter-node bytes per node and step in two levels (``embrace_two_level``) and in one
     ring (the subject, the same otherwise), and the ring's step over the two-level one
@@ -276,8 +274,7 @@ def two_level_check(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC
             continue
         dense = [(r.get("inter_node_bytes_per_node_per_step") or {}).get("dense_allreduce", 0.0) for r in (ring, two)]
         out[key] = {"ring_dense_inter_node_bytes": dense[0], "two_level_dense_inter_node_bytes": dense[1],
-                    "ring_over_two_level_step": paired_ratio_interval(ring["step_s"], two["step_s"],
-                                                                        statistic=statistic)}
+                    "ring_over_two_level_step": paired_ratio_interval(ring["step_s"], two["step_s"])}
     return out
 
 
@@ -333,11 +330,11 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         # for the simulator: how EmbRace's automatic choice read a tied table in most steps
         # (None: untied); a run's own recorded bytes say it per world size
         pm["tied_output"] = statistics.mode(pm.pop("_paths") or [None])
-    intervals = _ratio_intervals(runs, RATIO_STATISTIC)
+    intervals = _ratio_intervals(runs)
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
-              "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs, RATIO_STATISTIC),
-              "nodes": node_exchange_check(runs, RATIO_STATISTIC), "two_level": two_level_check(runs, RATIO_STATISTIC),
+              "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
+              "nodes": node_exchange_check(runs), "two_level": two_level_check(runs),
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     result["simulator"] = simulator_check(result)

@@ -70,10 +70,6 @@ def verdict(interval: Dict[str, float]) -> str:
     return "yes, faster" if faster(interval) else ("yes" if no_worse(interval) else "NO")
 
 
-def ratio_of_medians(num: Sequence[float], den: Sequence[float]) -> float:
-    return statistics.median(num) / statistics.median(den)
-
-
 def ratio_of(num: Sequence[float], den: Sequence[float], statistic: str = RATIO_STATISTIC) -> float:
     """``statistic(num) / statistic(den)``; ``statistic`` one of :data:`STATISTICS`.
 

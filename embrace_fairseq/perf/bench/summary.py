@@ -20,7 +20,7 @@ import argparse
 import copy
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from embrace_fairseq.perf.bench.keys import run_key
 from embrace_fairseq.perf.bench.markdown import simulator_section
@@ -39,9 +39,15 @@ def _key(r: Dict[str, Any]) -> str:
     return run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]})
 
 
-def speedups(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> List[Dict[str, Any]]:
+def _statistic(r: Dict[str, Any]) -> str:
+    """The statistic a run's ratios use: what its results file recorded (``summarize`` sets
+    ``"_statistic"``), else today's."""
+    return r.get("_statistic", RATIO_STATISTIC)
+
+
+def speedups(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per run key, subject and stock baseline: baseline step / subject step with its interval
-    (``statistic`` of each one's timed steps; a run may carry its own as ``"_statistic"``)."""
+    (each run's :func:`_statistic` of the timed steps)."""
     by: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for r in runs:
         by.setdefault(_key(r), {})[r["strategy"]] = r
@@ -54,37 +60,31 @@ def speedups(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Li
             for base, b in per.items():
                 if base in sharded or base == FLOOR:
                     continue
-                iv = paired_ratio_interval(b["step_s"], per[subject]["step_s"],
-                                           statistic=b.get("_statistic", statistic))
+                iv = paired_ratio_interval(b["step_s"], per[subject]["step_s"], statistic=_statistic(b))
                 half = max(iv["ratio"] - iv["low"], iv["high"] - iv["ratio"]) / iv["ratio"]
                 out.append({"key": key, "model": b["model"], "world_size": b["world_size"],
                             "link_gbit": b["link_gbit"], "subject": subject, "baseline": base,
                             "ratio": iv["ratio"], "low": iv["low"], "high": iv["high"], "steps": iv["steps"],
-                            "half_width": half, "statistic": b.get("_statistic", statistic)})
+                            "half_width": half, "statistic": _statistic(b)})
     return out
 
 
-def _over(runs: List[Dict[str, Any]], field: str, per_key: Dict[str, float]) -> Dict[str, Dict[str, float]]:
-    """Per run key: each strategy's ``field`` over that key's reference value (the floor aside)."""
+def _over(runs: List[Dict[str, Any]], refs: Dict[str, Any],
+          ratio: Callable[[Dict[str, Any], Any], float]) -> Dict[str, Dict[str, float]]:
+    """Per run key: ``ratio(run, that key's reference)`` for each strategy (the floor aside)."""
     out: Dict[str, Dict[str, float]] = {}
     for r in runs:
-        ref = per_key.get(_key(r))
-        if ref and r["strategy"] != FLOOR:
-            out.setdefault(_key(r), {})[r["strategy"]] = r[field] / ref
+        ref = refs.get(_key(r))
+        if ref is not None and r["strategy"] != FLOOR:
+            out.setdefault(_key(r), {})[r["strategy"]] = ratio(r, ref)
     return out
 
 
-def over_floor(runs: List[Dict[str, Any]], statistic: str = RATIO_STATISTIC) -> Dict[str, Dict[str, float]]:
+def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
     """Per run key: each strategy's step over the compute-only floor's (the same statistic
     of the timed steps as the speedups)."""
     floors = {_key(r): r for r in runs if r["strategy"] == FLOOR}
-    out: Dict[str, Dict[str, float]] = {}
-    for r in runs:
-        f = floors.get(_key(r))
-        if f is not None and r["strategy"] != FLOOR:
-            out.setdefault(_key(r), {})[r["strategy"]] = ratio_of(r["step_s"], f["step_s"],
-                                                                   r.get("_statistic", statistic))
-    return out
+    return _over(runs, floors, lambda r, f: ratio_of(r["step_s"], f["step_s"], _statistic(r)))
 
 
 def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -145,7 +145,7 @@ def bytes_over_best(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
         m = r.get("min_bytes_per_rank_per_step")
         if r["strategy"] != FLOOR and m:
             best[_key(r)] = min(best.get(_key(r), m), m)
-    return _over(runs, "bytes_total_per_rank_per_step", best)
+    return _over(runs, best, lambda r, b: r["bytes_total_per_rank_per_step"] / b)
 
 
 def fit_sensitivity(bench: Dict[str, Any]) -> List[Dict[str, Any]]:
