@@ -383,15 +383,17 @@ def all_gather_async(tensor: torch.Tensor, group: Group = None) -> Pending:
 
 
 def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]],
-                            input_split_sizes: Optional[List[int]], group: Group = None) -> Pending:
-    """:func:`all_to_all_single`, asynchronously; :meth:`Pending.wait` returns ``output``."""
+                            input_split_sizes: Optional[List[int]], group: Group = None,
+                            then: Optional[Callable[[torch.Tensor], Any]] = None) -> Pending:
+    """:func:`all_to_all_single`, asynchronously; :meth:`Pending.wait` returns ``output``
+    (or ``then(output)``, computed where the caller waits)."""
     out_p, moved = _placed(output, group)
     in_p, _ = _placed(input.contiguous(), group)
 
-    def finish() -> torch.Tensor:
+    def finish() -> Any:
         if moved:
             output.copy_(out_p)
-        return output
+        return output if then is None else then(output)
 
     def launch() -> Any:
         return dist.all_to_all_single(out_p, in_p, output_split_sizes, input_split_sizes, group=group,
@@ -417,11 +419,29 @@ def all_gather_uneven_rows(rows: torch.Tensor, sizes: Sequence[int], group: Grou
     once, ``(N-1) sizes[rank]`` rows sent, where the padded all-gather of
     :func:`all_gather_rows` sends ``(N-1) max(sizes)``. For per-step token counts,
     which differ between ranks by much more than a table's shards do."""
+    return gather_token_rows_async(rows, sizes, group).wait()
+
+
+def gather_token_rows_async(rows: torch.Tensor, sizes: Sequence[int], group: Group = None) -> Pending:
+    """Every rank's rows (``sizes[r]`` on rank ``r``), in rank order, asynchronously:
+    :meth:`Pending.wait` returns the ``sum(sizes)`` rows. An all-gather when every rank
+    has as many rows, else the unpadded AlltoAll of :func:`all_gather_uneven_rows`; the
+    caller computes on its own rows meanwhile."""
     world = len(sizes)
     out = rows.new_empty(sum(sizes), *rows.shape[1:])
-    all_to_all_single(out, rows.repeat(world, *([1] * (rows.dim() - 1))), list(sizes),
-                      [rows.shape[0]] * world, group)
-    return out
+    if min(sizes) == max(sizes):
+        placed, moved = _placed(rows.contiguous(), group)
+        staged = out if not moved else out.to(placed.device)
+        parts = list(staged.chunk(world)) if staged.shape[0] else [staged] * world
+
+        def finish() -> torch.Tensor:
+            if moved:
+                out.copy_(staged)
+            return out
+
+        return Pending(lambda: dist.all_gather(parts, placed, group=group, async_op=True), placed.device, finish)
+    return all_to_all_single_async(out, rows.repeat(world, *([1] * (rows.dim() - 1))), list(sizes),
+                                   [rows.shape[0]] * world, group)
 
 
 def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
@@ -429,11 +449,17 @@ def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group =
 
     gloo has no reduce-scatter; an AlltoAll of row blocks and a local sum move the
     same (N-1)/N of the table a ring reduce-scatter would."""
+    return reduce_scatter_rows_async(full, sizes, group).wait()
+
+
+def reduce_scatter_rows_async(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> Pending:
+    """:func:`reduce_scatter_rows`, asynchronously: :meth:`Pending.wait` returns this
+    rank's rows of the sum (the local sum runs where the caller waits)."""
     world, me = len(sizes), rank(group)
     mine = sizes[me]
     recv = full.new_empty(world * mine, *full.shape[1:])
-    all_to_all_single(recv, full.contiguous(), [mine] * world, list(sizes), group)
-    return recv.view(world, mine, *full.shape[1:]).sum(0)
+    return all_to_all_single_async(recv, full, [mine] * world, list(sizes), group,
+                                   then=lambda r: r.view(world, mine, *full.shape[1:]).sum(0))
 
 
 class _GatherRowsFromGroup(torch.autograd.Function):

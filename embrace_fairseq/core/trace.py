@@ -288,3 +288,38 @@ def record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int,
             ledger.inner.record(kind, sent, received)
         if ledger.tracer.enabled:
             ledger.tracer.collective_async(kind, sent, pending, tid=TABLE_TID, received=int(received))
+
+
+def mark_start(ledgers: List[CommLedger]) -> None:
+    """A blocking collective begins now: a tracing ledger's next record on this thread
+    starts here (not at the previous record, which may be computation ago)."""
+    for ledger in ledgers:
+        if isinstance(ledger, TracingLedger):
+            ledger.mark()
+
+
+def record_overlapped(ledgers: List[CommLedger], kind: str, sent: int, received: int, pending: Any,
+                      waited_us: float) -> None:
+    """Count the bytes of an asynchronous collective the caller computed beside and then
+    waited for, from ``waited_us`` (call it after the wait). A tracing ledger gets the
+    collective's time split at ``waited_us``: issue to then on the overlapped lane (hidden
+    behind the caller's compute), then to completion on the exchange lane (the compute
+    thread waited: exposed). The bytes go with the first part; a part of no length is
+    left out."""
+    for ledger in ledgers:
+        if not isinstance(ledger, TracingLedger):
+            ledger.record(kind, sent, received)
+            continue
+        CommLedger.record(ledger, kind, sent, received)
+        if ledger.inner is not None:
+            ledger.inner.record(kind, sent, received)
+        if ledger.tracer.enabled:
+            start, end = pending.issued_us, pending.end_us()
+            split = min(max(waited_us, start), end)
+            rest = sent
+            if split > start:
+                ledger.tracer.collective(kind, sent, start, split, tid=TABLE_TID, received=int(received))
+                rest = 0
+            if end > split or rest:
+                ledger.tracer.collective(kind, rest, split, end, tid=EXCHANGE_TID, received=int(received) if rest else 0)
+        ledger.mark()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -47,6 +48,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, record_all
 from embrace_fairseq.core.ring_volume import ring_allreduce_bytes
+from embrace_fairseq.core.trace import mark_start, record_overlapped
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
     rank, world = _world(group)
     if world == 1:
         return [int(n)]
+    mark_start(list(ledgers))
     parts = collectives.all_gather(torch.tensor([int(n)], dtype=torch.long), group)
     record_all(ledgers, K.SOFTMAX_STATS, (world - 1) * 8, (world - 1) * 8)
     return [int(p.item()) for p in parts]
@@ -82,6 +85,7 @@ def _all_gather_rows(x: torch.Tensor, counts: Sequence[int], group, ledgers, kin
     if world == 1:
         return x
     row = math.prod(x.shape[1:]) * x.element_size()
+    mark_start(list(ledgers))
     if min(counts) == max(counts):
         out = collectives.all_gather_rows(x, counts, group)
     else:
@@ -94,23 +98,53 @@ def _all_reduce(x: torch.Tensor, op: str, group, ledgers, kind: str) -> torch.Te
     rank, world = _world(group)
     if world == 1 or x.numel() == 0:
         return x
+    mark_start(list(ledgers))
     x = collectives.all_reduce(x.contiguous(), op, group)
     nbytes = int(ring_allreduce_bytes(x.numel() * x.element_size(), world))
     record_all(ledgers, kind, nbytes, nbytes)
     return x
 
 
-def _reduce_scatter_rows(x: torch.Tensor, counts: Sequence[int], group, ledgers, kind: str) -> torch.Tensor:
-    """Sum ``x`` (``sum(counts)`` rows, in rank order) over ranks and keep this rank's
-    rows: an AlltoAll with uneven splits and a local sum (gloo has no reduce-scatter)."""
+class _InFlight:
+    """An asynchronous step of the exchange: :meth:`wait` returns its result and then
+    records its bytes, and its time split into the part the caller computed beside and
+    the part it waited (:func:`~embrace_fairseq.core.trace.record_overlapped`)."""
+
+    def __init__(self, pending: Optional[collectives.Pending], ledgers, kind: str, sent: int, received: int,
+                 local: Optional[torch.Tensor] = None) -> None:
+        self.pending, self.ledgers, self.kind, self.sent, self.received, self.local = (
+            pending, ledgers, kind, sent, received, local)
+
+    def wait(self) -> torch.Tensor:
+        if self.pending is None:  # world size 1: nothing was sent
+            return self.local
+        waited = time.perf_counter() * 1e6
+        out = self.pending.wait()
+        record_overlapped(list(self.ledgers), self.kind, self.sent, self.received, self.pending, waited)
+        return out
+
+
+def _gather_rows_async(x: torch.Tensor, counts: Sequence[int], group, ledgers, kind: str) -> _InFlight:
+    """:func:`_all_gather_rows`, issued now and waited for later."""
     rank, world = _world(group)
     if world == 1:
-        return x
+        return _InFlight(None, ledgers, kind, 0, 0, local=x)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    pending = collectives.gather_token_rows_async(x, counts, group)
+    return _InFlight(pending, ledgers, kind, (world - 1) * counts[rank] * row, (sum(counts) - counts[rank]) * row)
+
+
+def _reduce_scatter_rows_async(x: torch.Tensor, counts: Sequence[int], group, ledgers, kind: str) -> _InFlight:
+    """Sum ``x`` (``sum(counts)`` rows, in rank order) over ranks and keep this rank's
+    rows, issued now and waited for later: an AlltoAll with uneven splits and a local
+    sum at the wait (gloo has no reduce-scatter)."""
+    rank, world = _world(group)
+    if world == 1:
+        return _InFlight(None, ledgers, kind, 0, 0, local=x)
     mine = counts[rank]
-    out = collectives.reduce_scatter_rows(x, counts, group)
     row = x[0].numel() * x.element_size() if x.shape[0] else 0
-    record_all(ledgers, kind, (sum(counts) - mine) * row, (world - 1) * mine * row)
-    return out
+    pending = collectives.reduce_scatter_rows_async(x, counts, group)
+    return _InFlight(pending, ledgers, kind, (sum(counts) - mine) * row, (world - 1) * mine * row)
 
 
 # --------------------------------------------------------------------------- pure math
@@ -144,40 +178,54 @@ def local_max(z: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> LocalStat
     return LocalStats(m, rows.to(z.device)[idx])
 
 
-def local_sums(z: torch.Tensor, m: torch.Tensor, col: torch.Tensor, smoothing: bool) -> torch.Tensor:
-    """``[sum exp(z - m), z_y (0 unless owned), sum z]`` per token (``k x M``; the last
-    row only with ``smoothing``): what the ranks add up."""
-    s = torch.exp(z - m.unsqueeze(1)).sum(dim=1)
+def logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out = hidden @ weight^T`` (float32 ``out``): straight into ``out`` when nothing
+    casts (float32, no autocast), else computed and copied (fp16/bf16 logits upcast)."""
+    if out.shape[0] == 0:
+        return
+    if hidden.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled():
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        out.copy_(F.linear(hidden, weight))
+
+
+def target_logits(z: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``z_y`` per token where this shard owns the target, else 0."""
     zy = z.new_zeros(z.shape[0])
     owned = (col >= 0).nonzero().squeeze(1)
     if owned.numel():
         zy[owned] = z[owned, col[owned]]
-    parts = [s, zy]
-    if smoothing:
-        parts.append(z.sum(dim=1))
-    return torch.stack(parts)
+    return zy
+
+
+def exp_shifted_(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``z <- exp(z - m)`` per token, in place (the softmax numerators against the global
+    max ``m``, each at most 1); returns ``z``. The logits are not kept: the backward
+    needs only these and the per-token sums (:func:`logits_grad_`)."""
+    return z.sub_(m.unsqueeze(1)).exp_()
 
 
 def losses_from_stats(m: torch.Tensor, sums: torch.Tensor, vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(logZ, nll, smooth)`` per token from the combined statistics:
-    ``nll = -log p_y``, ``smooth = -sum_v log p_v`` (None without smoothing)."""
+    """``(logZ, nll, smooth)`` per token from the global max and the combined
+    ``[sum exp(z - m), z_y, (sum z)]``: ``nll = -log p_y``, ``smooth = -sum_v log p_v``
+    (None without smoothing)."""
     log_z = m + torch.log(sums[0])
     nll = log_z - sums[1]
     smooth = vocab_size * log_z - sums[2] if sums.shape[0] > 2 else None
     return log_z, nll, smooth
 
 
-def logits_grad(
-    z: torch.Tensor, log_z: torch.Tensor, col: torch.Tensor, g_nll: torch.Tensor,
+def logits_grad_(
+    e: torch.Tensor, s: torch.Tensor, col: torch.Tensor, g_nll: torch.Tensor,
     g_smooth: Optional[torch.Tensor], vocab_size: int,
 ) -> torch.Tensor:
-    """This shard's columns of ``d(sum g_nll nll + g_smooth smooth)/dZ``:
-    ``g_nll (p - onehot_y) + g_smooth (V p - 1)``."""
-    p = torch.exp(z - log_z.unsqueeze(1))
+    """This shard's columns of ``d(sum g_nll nll + g_smooth smooth)/dZ``, in place of the
+    numerators ``e = exp(z - m)`` (``s``: their global per-token sum, so ``p = e / s``):
+    ``g_nll (p - onehot_y) + g_smooth (V p - 1)``. Returns ``e``, overwritten."""
     coef = g_nll if g_smooth is None else g_nll + vocab_size * g_smooth
-    dz = p * coef.unsqueeze(1)
+    dz = e.mul_((coef / s).unsqueeze(1))
     if g_smooth is not None:
-        dz -= g_smooth.unsqueeze(1)
+        dz.sub_(g_smooth.unsqueeze(1))
     owned = (col >= 0).nonzero().squeeze(1)
     if owned.numel():
         dz[owned, col[owned]] -= g_nll[owned]
@@ -200,7 +248,15 @@ class VocabShardSpec:
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """``(hidden T x D, weight shard, target T)`` -> ``(nll T, smooth T, n_correct)``
-    for this rank's tokens, computed against every rank's shard. Collective."""
+    for this rank's tokens, computed against every rank's shard. Collective.
+
+    Overlap: the hidden states' all-gather is in flight while this rank computes its
+    own tokens' logits, and the reduce-scatter of the hidden-state gradients while it
+    computes the shard's weight gradient (the two products that need no peer). The
+    logits are overwritten by their softmax numerators in forward and by their
+    gradient in backward: one ``M x V/N`` buffer, one ``exp``. The function runs
+    once per graph (its buffer is consumed by the backward; a second backward through
+    the same graph stops with autograd's in-place error)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, spec: VocabShardSpec, counts: List[int], smoothing: bool, accuracy: bool):  # type: ignore[override]
@@ -208,45 +264,56 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         group, ledgers, V = spec.group, spec.ledgers, spec.vocab_size
         offset = sum(counts[:rank])
         mine = counts[rank]
-        h_all = _all_gather_rows(hidden.detach(), counts, group, ledgers, K.HIDDEN_GATHER)
-        y_all = _all_gather_rows(target.long(), counts, group, ledgers, K.SOFTMAX_STATS)
-        z = F.linear(h_all, weight.detach()).float()
+        sl = slice(offset, offset + mine)
+        w = weight.detach()
+        h_wait = _gather_rows_async(hidden.detach(), counts, group, ledgers, K.HIDDEN_GATHER)
+        y_wait = _gather_rows_async(target.long(), counts, group, ledgers, K.SOFTMAX_STATS)
+        z = torch.empty(sum(counts), w.shape[0], dtype=torch.float32, device=hidden.device)
+        logits_into(z[sl], hidden.detach(), w)  # while the peers' hidden states arrive
+        h_all, y_all = h_wait.wait(), y_wait.wait()
+        logits_into(z[:offset], h_all[:offset], w)
+        logits_into(z[offset + mine:], h_all[offset + mine:], w)
         col = local_columns(y_all, spec.rows, V)
         loc = local_max(z, spec.rows, V)
         m = _all_reduce(loc.max.clone(), "max", group, ledgers, K.SOFTMAX_STATS)
-        sums = _all_reduce(local_sums(z, m, col, smoothing), "sum", group, ledgers, K.SOFTMAX_STATS)
+        parts = [target_logits(z, col)]
+        if smoothing:
+            parts.append(z.sum(dim=1))
+        e = exp_shifted_(z, m)
+        sums = _all_reduce(torch.stack([e.sum(dim=1), *parts]), "sum", group, ledgers, K.SOFTMAX_STATS)
         log_z, nll, smooth = losses_from_stats(m, sums, V)
         if accuracy:
             cand = torch.where(loc.max == m, loc.argmax, torch.full_like(loc.argmax, V))
             pred = _all_reduce(cand, "min", group, ledgers, K.SOFTMAX_STATS)
-            n_correct = (pred == y_all)[offset : offset + mine].sum()
+            n_correct = (pred == y_all)[sl].sum()
         else:
             n_correct = torch.zeros((), dtype=torch.long)
-        ctx.save_for_backward(h_all, weight, z, log_z, col)
+        ctx.save_for_backward(h_all, weight, e, sums[0].clone(), col)
         ctx.spec, ctx.counts, ctx.smoothing, ctx.hidden_dtype = spec, list(counts), smoothing, hidden.dtype
         ctx.mark_non_differentiable(n_correct)
-        sl = slice(offset, offset + mine)
         smooth_out = smooth[sl].clone() if smooth is not None else nll.new_zeros(mine)
         return nll[sl].clone(), smooth_out, n_correct
 
     @staticmethod
     def backward(ctx, g_nll, g_smooth, _g_correct):  # type: ignore[override]
-        h_all, weight, z, log_z, col = ctx.saved_tensors
+        h_all, weight, e, s, col = ctx.saved_tensors
         spec, counts = ctx.spec, ctx.counts
         rank, world = _world(spec.group)
         mine = counts[rank]
-        g_nll = g_nll if g_nll is not None else z.new_zeros(mine)
+        g_nll = g_nll if g_nll is not None else e.new_zeros(mine)
         cols = [g_nll.float()]
         if ctx.smoothing:
-            cols.append(g_smooth.float() if g_smooth is not None else z.new_zeros(mine))
+            cols.append(g_smooth.float() if g_smooth is not None else e.new_zeros(mine))
         g = _all_gather_rows(torch.stack(cols, dim=1), counts, spec.group, spec.ledgers, K.SOFTMAX_STATS)
-        dz = logits_grad(z, log_z, col, g[:, 0], g[:, 1] if ctx.smoothing else None, spec.vocab_size)
+        dz = logits_grad_(e, s, col, g[:, 0], g[:, 1] if ctx.smoothing else None, spec.vocab_size)
+        dh_all = (dz @ weight.float()).to(ctx.hidden_dtype)
+        # collective on every rank alike, whatever this rank needs; in flight during the
+        # weight gradient's product
+        dh_wait = _reduce_scatter_rows_async(dh_all, counts, spec.group, spec.ledgers, K.HIDDEN_GRAD)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = (dz.t() @ h_all.float()).mul_(spec.grad_scale).to(weight.dtype)
-        dh_all = (dz @ weight.float()).to(ctx.hidden_dtype)
-        # collective on every rank alike, whatever this rank needs
-        dh = _reduce_scatter_rows(dh_all, counts, spec.group, spec.ledgers, K.HIDDEN_GRAD)
+        dh = dh_wait.wait()
         return (dh if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None, None
 
 

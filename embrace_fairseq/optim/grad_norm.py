@@ -41,24 +41,46 @@ class NonFiniteGradientError(FloatingPointError):
     """Some rank holds an inf/NaN gradient; raised on every rank, naming where."""
 
 
+def _flags(named: List[Tuple[str, Optional[torch.Tensor]]], world: int, rank: int, device: torch.device,
+           exact: bool) -> torch.Tensor:
+    """This rank's row of the ``world x len(named)`` non-finite flags (the other rows 0).
+    ``exact``: ``isfinite`` over every element; else a non-finite float32 norm, one pass
+    per gradient and no host synchronisation (a finite gradient can flag only by
+    overflowing the norm, which the exact round then clears)."""
+    flags = torch.zeros(world, max(1, len(named)), dtype=torch.float32, device=device)
+    idx = [i for i, (_, g) in enumerate(named) if g is not None]
+    if not idx:
+        return flags
+    if exact:
+        bad = [~torch.isfinite(named[i][1]).all() for i in idx]
+    else:
+        bad = [~torch.isfinite(torch.linalg.vector_norm(named[i][1].detach(), 2, dtype=torch.float32)) for i in idx]
+    flags[rank, torch.tensor(idx, device=device)] = torch.stack(bad).to(device=device, dtype=torch.float32)
+    return flags
+
+
 def nonfinite_gradients(
     named_grads: Iterable[Tuple[str, Optional[torch.Tensor]]], group: Optional["dist.ProcessGroup"] = None
 ) -> List[Tuple[str, int]]:
     """(name, rank) of every gradient that is non-finite on some rank, the same list on
     every rank. Collective when torch.distributed is initialised: every rank passes the
-    same names in the same order (a missing gradient counts as finite)."""
+    same names in the same order (a missing gradient counts as finite).
+
+    One all-reduce of flags from each gradient's norm (no per-tensor host sync); only
+    when some rank flags one, a second, exact round over every element decides."""
     named = list(named_grads)
     dist_on = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if dist_on else 1
     rank = dist.get_rank(group) if dist_on else 0
     device = next((g.device for _, g in named if g is not None), torch.device("cpu"))
-    flags = torch.zeros(world, max(1, len(named)), dtype=torch.float32, device=device)
-    for i, (_, g) in enumerate(named):
-        if g is not None and not bool(torch.isfinite(g).all()):
-            flags[rank, i] = 1.0
-    if dist_on and world > 1:
-        collectives.all_reduce(flags, group=group)
-    return [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
+    for exact in (False, True):
+        flags = _flags(named, world, rank, device, exact)
+        if dist_on and world > 1:
+            collectives.all_reduce(flags, group=group)
+        found = [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
+        if not found:  # the same on every rank: all agree to stop here
+            return []
+    return found
 
 
 def raise_if_nonfinite(bad: List[Tuple[str, int]], what: str = "gradient") -> None:

@@ -169,3 +169,42 @@ def test_take_and_extend_keep_settings_apart():
     t.clear()
     t.extend(second)
     assert t.summary()["hidden_share"] == 0.0
+
+
+class _Done:
+    """A finished collective's times, as a Pending gives them."""
+
+    def __init__(self, issued_us, end_us):
+        self.issued_us, self._end = issued_us, end_us
+
+    def end_us(self):
+        return self._end
+
+
+def test_overlapped_collective_is_split_at_the_wait():
+    """Issued at 100, waited for from 130, finished at 170: 30 us hidden behind the
+    caller's compute (the overlapped lane), 40 us exposed (the exchange lane); bytes once.
+    Finished before the wait: all hidden. Waited for at once: all exposed."""
+    from embrace_fairseq.core.trace import mark_start, record_overlapped
+
+    tr, inner = Tracer(), CommLedger()
+    led = TracingLedger(tr, inner)
+    t0 = tr._t0
+    record_overlapped([led], "hidden_gather", 64, 48, _Done(t0 + 100, t0 + 170), t0 + 130)
+    record_overlapped([led], "hidden_grad", 32, 32, _Done(t0 + 200, t0 + 220), t0 + 250)
+    record_overlapped([led], "softmax_stats", 8, 8, _Done(t0 + 300, t0 + 310), t0 + 290)
+    evs = [(e["name"], e["tid"], e["ts"], e["dur"], e["args"]["bytes"]) for e in tr.events("comm")]
+    assert evs == [("hidden_gather", TABLE_TID, 100, 30, 64), ("hidden_gather", EXCHANGE_TID, 130, 40, 0),
+                   ("hidden_grad", TABLE_TID, 200, 20, 32), ("softmax_stats", EXCHANGE_TID, 300, 10, 8)]
+    assert inner.sent == {"hidden_gather": 64, "hidden_grad": 32, "softmax_stats": 8}
+    assert led.sent == inner.sent
+    # a blocking record after mark_start begins at the mark, not at the last record
+    tr.clear()
+    led._marks.t = t0 - 5e6  # the last record, 5 s of computation ago
+    mark_start([led])
+    led.record("ids", 4, 4)
+    (ev,) = tr.events("comm")
+    assert ev["dur"] < 1e6  # from the mark, not from the last record
+    plain = CommLedger()
+    record_overlapped([plain], "hidden_grad", 5, 6, _Done(0, 1), 0)
+    assert plain.sent == {"hidden_grad": 5} and plain.received == {"hidden_grad": 6}

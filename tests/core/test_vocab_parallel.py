@@ -18,6 +18,7 @@ CASES = [
     (VOCAB, DIM, [0, 4, 5], 0.0, "contiguous"),
     (VOCAB, DIM, [5, 2, 7], 0.1, "strided"),  # the function takes its rows' ids: any layout
     (2, DIM, [3, 1, 2], 0.1, "contiguous"),  # V=2 over 3 ranks: a rank holds no rows
+    (VOCAB, DIM, [4, 4, 4], 0.1, "strided"),  # as many tokens everywhere: the all-gather, not the AlltoAll
 ]
 
 

@@ -46,3 +46,13 @@ def test_nonfinite_report_names_parameters():
         raise_if_nonfinite(bad)
     raise_if_nonfinite([])
     assert nonfinite_gradients([]) == []
+
+
+def test_nonfinite_report_is_exact_where_a_norm_overflows():
+    # every element finite, but the float32 norm overflows: the exact round clears it
+    huge = torch.full((4,), 3e38)
+    assert not math.isfinite(float(torch.linalg.vector_norm(huge)))
+    assert nonfinite_gradients([("big", huge), ("ok", torch.ones(3))]) == []
+    assert nonfinite_gradients([("big", huge), ("inf", torch.tensor([1.0, float("-inf")]))]) == [("inf", 0)]
+    half = torch.tensor([1.0, float("nan")], dtype=torch.float16)
+    assert nonfinite_gradients([("h", half)]) == [("h", 0)]
