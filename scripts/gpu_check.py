@@ -11,6 +11,9 @@ driver collects them into ``gpu_check.json`` under ``--out`` (default ``$OUT``, 
   fp32/fp16/bf16, against plain ``F.embedding``.
 * ``native``: the CUDA kernels of ``embrace_fairseq._native`` bit-exact against the CPU
   reference.
+* ``vocab_parallel``: the vocab-parallel loss on the device against the float64
+  full-table loss: world of one (fp32, bf16 autocast, bf16) and two gloo ranks whose
+  tensors live on GPU 0 (uneven and empty token counts; the asynchronous gathers).
 * ``fairseq``: fp16 and bf16 (``--memory-efficient-*``) EmbRace vs stock fairseq.
 * ``fairseq_resume``: a ``--memory-efficient-fp16`` run resumed from its checkpoint
   repeats the uninterrupted run.
@@ -18,7 +21,7 @@ driver collects them into ``gpu_check.json`` under ``--out`` (default ``$OUT``, 
   refreshed after a weights-only load.
 
 ``--cpu-smoke``: the same drivers on CPU/gloo where CPU can run them (``exchange``,
-``native``), the GPU-only ones planned but not run (their command lines are recorded).
+``native``, ``vocab_parallel``), the GPU-only ones planned but not run (their command lines are recorded).
 """
 from __future__ import annotations
 
@@ -34,10 +37,10 @@ from typing import Any, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests" / "harness")]
 
-CHECKS = ["exchange", "native", "fairseq", "fairseq_resume", "deepspeed"]
+CHECKS = ["exchange", "native", "vocab_parallel", "fairseq", "fairseq_resume", "deepspeed"]
 GPU_ONLY = {"fairseq", "fairseq_resume", "deepspeed"}
-TIMEOUTS = {"exchange": 90, "native": 60, "fairseq": 160, "fairseq_resume": 120, "deepspeed": 150}
-BUDGET_S = 420  # all checks together (the native build, if any, runs before)
+TIMEOUTS = {"exchange": 90, "native": 60, "vocab_parallel": 90, "fairseq": 160, "fairseq_resume": 120, "deepspeed": 150}
+BUDGET_S = 480  # all checks together (the native build, if any, runs before)
 
 
 def _env(cpu: bool) -> Dict[str, str]:

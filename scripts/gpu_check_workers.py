@@ -16,7 +16,7 @@ def run_worker(name: str, out: Path, cpu: bool) -> Dict[str, Any]:
     import gpu_check_train as T
 
     workers: Dict[str, Callable[[Path, bool], Dict[str, Any]]] = {
-        "exchange": exchange, "native": native, "fairseq": T.fairseq_vs_stock,
+        "exchange": exchange, "native": native, "vocab_parallel": vocab_parallel, "fairseq": T.fairseq_vs_stock,
         "fairseq_resume": T.fairseq_resume, "deepspeed": T.deepspeed_vs_stock}
     if not cpu and not torch.cuda.is_available():
         return {"status": "fail", "detail": "no CUDA device: run with --cpu-smoke on machines without a GPU"}
@@ -193,6 +193,111 @@ def _next_forward(device: torch.device, d: Dict[str, Any]) -> None:
     d["next_forward_in_forward"] = in_forward
     if not all(k > 0 for k in in_forward[1:]):
         raise AssertionError(f"no bucket was updated inside the next forward: {in_forward}")
+
+
+def _vp_reference(table: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor, eps: float):
+    """Full-table fairseq-style loss in float64: loss, d hidden, d table."""
+    w = table.double().clone().requires_grad_()
+    h = hidden.double().clone().requires_grad_()
+    lp = F.log_softmax(h @ w.t(), dim=-1)
+    nll = -lp.gather(1, target.unsqueeze(1)).sum()
+    eps_i = eps / (table.shape[0] - 1)
+    loss = (1.0 - eps - eps_i) * nll + eps_i * (-lp.sum())
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _vocab_parallel_world_of_one(device: torch.device, cpu: bool, d: Dict[str, Any]) -> None:
+    """The vocab-parallel loss on the device (no peer: the math, the one in-place buffer,
+    logits under autocast and in half precision) against the float64 full-table loss."""
+    from embrace_fairseq.core.vocab_parallel import VocabShardSpec, label_smoothed_loss, vocab_parallel_loss
+
+    g = torch.Generator().manual_seed(3)
+    V, D, T, eps = 3001, 64, 257, 0.1
+    table, hidden = torch.randn(V, D, generator=g) * 0.3, torch.randn(T, D, generator=g)
+    target = torch.randint(0, V, (T,), generator=g)
+    ref_loss, ref_dh, ref_dw = _vp_reference(table, hidden, target, eps)
+    modes = [("fp32", torch.float32, False)] + ([] if cpu else [("bf16_autocast", torch.float32, True),
+                                                               ("bf16", torch.bfloat16, False)])
+    for name, dtype, autocast in modes:
+        w = table.to(device, dtype).requires_grad_()
+        h = hidden.to(device, dtype).requires_grad_()
+        spec = VocabShardSpec(rows=torch.arange(V, device=device), vocab_size=V, group=None)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            res = vocab_parallel_loss(h, w, target.to(device), spec, smoothing=True)
+            loss = label_smoothed_loss(res.nll.sum(), res.smooth.sum(), eps, V)
+        loss.backward()
+        tol = 1e-4 if name == "fp32" else 3e-2
+        scale = float(ref_loss.abs())
+        _close(d, f"vp_loss_{name}", loss.detach().double().cpu() / scale, ref_loss / scale, tol)
+        _close(d, f"vp_dhidden_{name}", h.grad.cpu(), ref_dh, tol * float(ref_dh.abs().max()))
+        _close(d, f"vp_dtable_{name}", w.grad.cpu(), ref_dw, tol * float(ref_dw.abs().max()))
+
+
+def vp_rank(rank: int, world: int, device_name: str) -> Dict[str, float]:
+    """One rank of :func:`vocab_parallel`: its shard (strided) and its tokens (uneven, one
+    rank without any in the second step) on ``device_name``, against the float64
+    full-table loss of every rank's tokens."""
+    from embrace_fairseq.core.vocab_parallel import VocabShardSpec, label_smoothed_loss, vocab_parallel_loss
+    from embrace_fairseq.core.ledger import CommLedger
+    from embrace_fairseq.core.trace import Tracer, TracingLedger
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out: Dict[str, float] = {}
+    for step, counts in enumerate(([130, 71], [0, 96], [64, 64])):
+        g = torch.Generator().manual_seed(10 + step)
+        V, D, eps = 1001, 32, 0.1
+        table = torch.randn(V, D, generator=g) * 0.3
+        hidden = [torch.randn(n, D, generator=g) for n in counts]
+        target = [torch.randint(0, V, (n,), generator=g) for n in counts]
+        ref_loss, ref_dh, ref_dw = _vp_reference(table, torch.cat(hidden), torch.cat(target), eps)
+        rows = torch.arange(rank, V, world)
+        w = table[rows].to(device).requires_grad_()
+        h = hidden[rank].to(device).requires_grad_()
+        tracer = Tracer(rank)
+        spec = VocabShardSpec(rows=rows.to(device), vocab_size=V, grad_scale=1.0, ledgers=(TracingLedger(tracer, CommLedger()),))
+        res = vocab_parallel_loss(h, w, target[rank].to(device), spec, smoothing=True)
+        loss = label_smoothed_loss(res.nll.sum(), res.smooth.sum(), eps, V)
+        loss.backward()
+        off = sum(counts[:rank])
+        out[f"step{step}_loss"] = float(loss.detach().cpu())  # the ranks' losses sum to the reference
+        if counts[rank]:
+            out[f"step{step}_dhidden"] = float((h.grad.cpu().double() - ref_dh[off:off + counts[rank]]).abs().max())
+        out[f"step{step}_dtable"] = float((w.grad.cpu().double() - ref_dw[rows]).abs().max())
+        out[f"step{step}_ref_loss"] = float(ref_loss)
+        out[f"step{step}_events"] = len(tracer.events("comm"))
+    return out
+
+
+def vocab_parallel(out: Path, cpu: bool) -> Dict[str, Any]:
+    """The vocab-parallel loss on 2 gloo ranks whose tensors live on the device (both
+    ranks on GPU 0: gloo takes CUDA tensors, NCCL would need two GPUs), so that its
+    asynchronous gathers and reduce-scatter run with CUDA tensors and CUDA-event times;
+    plus the world-of-one math on the device. Sums over the ranks' losses equal the
+    float64 full-table loss; gradients within float32 rounding."""
+    from embrace_fairseq.tools.local_ranks import run_ranks
+
+    d: Dict[str, Any] = {}
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    _vocab_parallel_world_of_one(device, cpu, d)
+    res = run_ranks(vp_rank, 2, str(device), timeout_s=120)
+    for step in range(3):
+        total = sum(r[f"step{step}_loss"] for r in res)
+        ref = res[0][f"step{step}_ref_loss"]
+        d[f"two_ranks_step{step}_loss_rel"] = abs(total - ref) / abs(ref)
+        if not d[f"two_ranks_step{step}_loss_rel"] <= 1e-5:
+            raise AssertionError(f"two ranks, step {step}: loss {total} vs {ref}")
+        for r in res:
+            for key in ("dhidden", "dtable"):
+                err = r.get(f"step{step}_{key}", 0.0)
+                if not err <= 1e-4:
+                    raise AssertionError(f"two ranks, step {step}: {key} differs by {err}")
+        if not all(r[f"step{step}_events"] > 0 for r in res):
+            raise AssertionError("the traced ledger recorded no collective")
+    d["two_ranks"] = res
+    return {"status": "pass", "detail": d}
 
 
 def exchange(out: Path, cpu: bool) -> Dict[str, Any]:

@@ -23,6 +23,7 @@ from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message
 from embrace_fairseq.core.ledger import CommLedger, ledgers_for, off_rank, record_all
 from embrace_fairseq.core.node_topology import NodeTopology
 from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.trace import mark_start
 
 # Ids travel as int32 when the vocab fits: half the bytes of int64.
 _INT32_LIMIT = 2**31 - 1
@@ -80,6 +81,7 @@ def plan_exchange(
         raise TypeError(f"embedding ids must be an integer tensor, got {flat_ids.dtype}")
     world = plan.world_size
     ledgers = ledgers_for(ledger)
+    mark_start(ledgers)  # a traced exchange starts here, however the lookup was called
     device = flat_ids.device
     # ids in plan order, where every owner's rows are one contiguous block (nothing to do
     # for the contiguous layout); invalid ids pass unchanged and are found just below

@@ -41,6 +41,7 @@ from embrace_fairseq.core.input_dist import wire_dtype
 from embrace_fairseq.core.ledger import CommLedger, ledgers_for, off_rank, record_all
 from embrace_fairseq.core.node_topology import NodeGroups
 from embrace_fairseq.core.shard_plan import ShardPlan
+from embrace_fairseq.core.trace import mark_start
 
 _HEADER_FIELDS = 4  # (count, has_bad_id, first_bad_id, rank that saw it)
 
@@ -163,6 +164,7 @@ def plan_node_exchange(
     if plan.world_size != t.world_size:
         raise ValueError(f"a table sharded over {plan.world_size} ranks in a job of {t.world_size}")
     ledgers = ledgers_for(ledger)
+    mark_start(ledgers)  # a traced exchange starts here, however the lookup was called
     device = flat_ids.device
     empty = torch.zeros(0, dtype=torch.long, device=device)
     bucketed = native_ops.dedup_bucket(plan.to_plan(flat_ids), plan.boundaries)

@@ -183,7 +183,7 @@ def logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -
     casts (float32, no autocast), else computed and copied (fp16/bf16 logits upcast)."""
     if out.shape[0] == 0:
         return
-    if hidden.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled():
+    if hidden.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(hidden.device.type):
         torch.mm(hidden, weight.t(), out=out)
     else:
         out.copy_(F.linear(hidden, weight))
