@@ -76,3 +76,37 @@ def test_bytes_per_step_translation_shape(world):
     assert abs(gather - est.gather_bytes) <= 0.01 * est.gather_bytes
     assert abs(vp - est.vocab_parallel_bytes) <= 0.01 * est.vocab_parallel_bytes
     assert (vp < gather) == (world == 2)
+
+
+@pytest.mark.parametrize("mode", ["bf16_autocast", "bf16"])
+def test_half_precision_against_float64(mode):
+    """One process (no peer): under CPU bf16 autocast, and with bf16 weights and hidden
+    states, the loss and gradients stay within bf16 rounding of the float64 full-table
+    loss; the gradients come back in the inputs' dtypes."""
+    import torch
+    import torch.nn.functional as F
+
+    from embrace_fairseq.core.vocab_parallel import VocabShardSpec, label_smoothed_loss, vocab_parallel_loss
+
+    g = torch.Generator().manual_seed(5)
+    V, D, T, eps = 301, 32, 97, 0.1
+    table, hidden = torch.randn(V, D, generator=g) * 0.3, torch.randn(T, D, generator=g)
+    target = torch.randint(0, V, (T,), generator=g)
+    w64, h64 = table.double().requires_grad_(), hidden.double().requires_grad_()
+    lp = F.log_softmax(h64 @ w64.t(), dim=-1)
+    ref = label_smoothed_loss(-lp.gather(1, target[:, None]).sum(), -lp.sum(), eps, V)
+    ref.backward()
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    w, h = table.to(dtype).requires_grad_(), hidden.to(dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16_autocast"):
+        res = vocab_parallel_loss(h, w, target, VocabShardSpec(rows=torch.arange(V), vocab_size=V), smoothing=True)
+        loss = label_smoothed_loss(res.nll.sum(), res.smooth.sum(), eps, V)
+    loss.backward()
+    assert w.grad.dtype == dtype and h.grad.dtype == dtype
+    assert abs(float(loss) - float(ref)) <= 2e-2 * abs(float(ref))
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert float((got.double() - want).abs().max()) <= 3e-2 * float(want.abs().max())
+    # the float32 path without autocast is exact to float32 rounding
+    w32, h32 = table.clone().requires_grad_(), hidden.clone().requires_grad_()
+    res = vocab_parallel_loss(h32, w32, target, VocabShardSpec(rows=torch.arange(V), vocab_size=V), smoothing=True)
+    assert abs(float(label_smoothed_loss(res.nll.sum(), res.smooth.sum(), eps, V)) - float(ref)) <= 1e-5 * abs(float(ref))
