@@ -3,7 +3,7 @@
 # an NCCL world of one with the exchange forced on, fp16/bf16 EmbRace vs stock on fairseq and
 # DeepSpeed, the CUDA native kernels bit-exact against the CPU reference, a memory-efficient
 # fp16 resume. Writes gpu_check.json (and a log per check) to --out DIR, else $OUT, else
-# results/gpu_check. Under 8 minutes on one H200.
+# results/gpu_check. Under 9 minutes on one H200.
 #
 #   scripts/gpu_check.sh                 # on a GPU machine
 #   scripts/gpu_check.sh --cpu-smoke     # anywhere: the CPU-runnable parts, the rest planned

@@ -274,18 +274,26 @@ class TracingLedger(CommLedger):
 TABLE_TID = 3
 
 
+def _count_bytes(ledger: CommLedger, kind: str, sent: int, received: int) -> bool:
+    """Record a collective's bytes without a trace event; True when ``ledger`` traces (the
+    caller then adds the event itself)."""
+    if not isinstance(ledger, TracingLedger):
+        ledger.record(kind, sent, received)
+        return False
+    CommLedger.record(ledger, kind, sent, received)
+    if ledger.inner is not None:
+        ledger.inner.record(kind, sent, received)
+    return True
+
+
 def record_async(ledgers: List[CommLedger], kind: str, sent: int, received: int, pending: Any) -> None:
     """Count the bytes now; a tracing ledger also gets the collective as an event from
     its issue to its completion, taken from ``pending`` (a
     :class:`~embrace_fairseq.core.collectives.Pending`: the work's future on gloo, CUDA
     events on CUDA devices), not from whoever waits for it."""
     for ledger in ledgers:
-        if not isinstance(ledger, TracingLedger):
-            ledger.record(kind, sent, received)
+        if not _count_bytes(ledger, kind, sent, received):
             continue
-        CommLedger.record(ledger, kind, sent, received)
-        if ledger.inner is not None:
-            ledger.inner.record(kind, sent, received)
         if ledger.tracer.enabled:
             ledger.tracer.collective_async(kind, sent, pending, tid=TABLE_TID, received=int(received))
 
@@ -307,12 +315,8 @@ def record_overlapped(ledgers: List[CommLedger], kind: str, sent: int, received:
     thread waited: exposed). The bytes go with the first part; a part of no length is
     left out."""
     for ledger in ledgers:
-        if not isinstance(ledger, TracingLedger):
-            ledger.record(kind, sent, received)
+        if not _count_bytes(ledger, kind, sent, received):
             continue
-        CommLedger.record(ledger, kind, sent, received)
-        if ledger.inner is not None:
-            ledger.inner.record(kind, sent, received)
         if ledger.tracer.enabled:
             start, end = pending.issued_us, pending.end_us()
             split = min(max(waited_us, start), end)

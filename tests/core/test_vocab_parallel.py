@@ -110,3 +110,19 @@ def test_half_precision_against_float64(mode):
     w32, h32 = table.clone().requires_grad_(), hidden.clone().requires_grad_()
     res = vocab_parallel_loss(h32, w32, target, VocabShardSpec(rows=torch.arange(V), vocab_size=V), smoothing=True)
     assert abs(float(label_smoothed_loss(res.nll.sum(), res.smooth.sum(), eps, V)) - float(ref)) <= 1e-5 * abs(float(ref))
+
+
+def test_second_backward_through_one_graph_is_refused():
+    """The logits buffer is consumed by the backward (overwritten by its gradient): a
+    second backward through the same graph stops with autograd's in-place error instead
+    of computing from a spent buffer."""
+    import torch
+
+    from embrace_fairseq.core.vocab_parallel import VocabShardSpec, vocab_parallel_loss
+
+    h, w = torch.randn(5, 4, requires_grad=True), torch.randn(7, 4, requires_grad=True)
+    res = vocab_parallel_loss(h, w, torch.randint(0, 7, (5,)), VocabShardSpec(rows=torch.arange(7), vocab_size=7))
+    loss = res.nll.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
