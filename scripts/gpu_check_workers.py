@@ -197,12 +197,12 @@ def _next_forward(device: torch.device, d: Dict[str, Any]) -> None:
 
 def _vp_reference(table: torch.Tensor, hidden: torch.Tensor, target: torch.Tensor, eps: float):
     """Full-table fairseq-style loss in float64: loss, d hidden, d table."""
+    from embrace_fairseq.core.vocab_parallel import label_smoothed_loss
+
     w = table.double().clone().requires_grad_()
     h = hidden.double().clone().requires_grad_()
     lp = F.log_softmax(h @ w.t(), dim=-1)
-    nll = -lp.gather(1, target.unsqueeze(1)).sum()
-    eps_i = eps / (table.shape[0] - 1)
-    loss = (1.0 - eps - eps_i) * nll + eps_i * (-lp.sum())
+    loss = label_smoothed_loss(-lp.gather(1, target.unsqueeze(1)).sum(), -lp.sum(), eps, table.shape[0])
     loss.backward()
     return loss.detach(), h.grad, w.grad
 

@@ -19,7 +19,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, ledgers_for, record_all
 from embrace_fairseq.core.shard_plan import ShardPlan
-from embrace_fairseq.core.trace import record_async
+from embrace_fairseq.core.trace import mark_start, record_async
 
 
 def _record_gather(plan: ShardPlan, shard: torch.Tensor, ledgers) -> None:
@@ -37,6 +37,7 @@ def _record_grad(plan: ShardPlan, full_grad: torch.Tensor, rank: int, ledgers) -
 
 def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
     # gloo's all_gather needs equal sizes on every rank: padded to the largest shard
+    mark_start(ledgers)
     full = collectives.all_gather_rows(shard, plan.sizes, group)  # row blocks in plan order
     _record_gather(plan, shard, ledgers)
     return plan.to_vocab_order(full)  # in vocabulary order, whatever the layout
@@ -51,6 +52,7 @@ def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: 
 def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:
     """Sum a full-table gradient (vocabulary order) over ranks and keep this rank's rows
     (AlltoAll-based: the row blocks per owner are in plan order)."""
+    mark_start(ledgers)
     grad = collectives.reduce_scatter_rows(plan.to_plan_order(full_grad), plan.sizes, group)
     _record_grad(plan, full_grad, rank, ledgers)
     if scale != 1.0:

@@ -2,7 +2,7 @@
 exchange gate around its gradient exchange. Shared by both training engines' adapters."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.trace import Tracer, TracingLedger
@@ -10,18 +10,13 @@ from embrace_fairseq.schedule.executor import ExchangeGate, gate_scope
 
 
 def trace_tables(tables: Sequence[ShardedEmbedding], tracer: Tracer) -> None:
-    """Tracing on: each table records its exchanges into a :class:`TracingLedger`; a
-    forward exchange starts at the module's forward (the backward one: :func:`scope_grad_exchanges`)."""
+    """Tracing on: each table records its exchanges into a :class:`TracingLedger` (a
+    forward exchange and a table gather mark their own start; the backward exchange:
+    :func:`scope_grad_exchanges`)."""
     if not tracer.enabled:
         return
     for emb in tables:
-        ledger = TracingLedger(tracer, inner=emb.ledger)
-        emb.ledger = ledger
-
-        def pre(module: ShardedEmbedding, inputs: Any, ledger: TracingLedger = ledger) -> None:
-            ledger.mark()
-
-        emb.register_forward_pre_hook(pre)
+        emb.ledger = TracingLedger(tracer, inner=emb.ledger)
 
 
 def scope_grad_exchanges(tables: Sequence[ShardedEmbedding], gate: Optional[ExchangeGate],
