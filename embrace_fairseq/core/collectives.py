@@ -455,11 +455,30 @@ def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group =
 def reduce_scatter_rows_async(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> Pending:
     """:func:`reduce_scatter_rows`, asynchronously: :meth:`Pending.wait` returns this
     rank's rows of the sum (the local sum runs where the caller waits)."""
+    return scatter_token_rows_async(full, sizes, group, then=lambda blocks: blocks.sum(0))
+
+
+def scatter_token_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
+    """Every rank's version of this rank's rows, unreduced: ``full`` holds ``sum(sizes)``
+    rows in rank order on every rank; block ``r`` (``sizes[r]`` rows) goes to rank ``r``,
+    which gets ``world x sizes[rank] x ...``, one block per sender (an AlltoAll, no
+    padding). For a per-row combination that is not a sum."""
+    return scatter_token_rows_async(full, sizes, group).wait()
+
+
+def scatter_token_rows_async(full: torch.Tensor, sizes: Sequence[int], group: Group = None,
+                             then: Optional[Callable[[torch.Tensor], Any]] = None) -> Pending:
+    """:func:`scatter_token_rows`, asynchronously; :meth:`Pending.wait` returns the
+    blocks (or ``then(blocks)``, computed where the caller waits)."""
     world, me = len(sizes), rank(group)
     mine = sizes[me]
     recv = full.new_empty(world * mine, *full.shape[1:])
-    return all_to_all_single_async(recv, full, [mine] * world, list(sizes), group,
-                                   then=lambda r: r.view(world, mine, *full.shape[1:]).sum(0))
+
+    def blocks(r: torch.Tensor) -> Any:
+        b = r.view(world, mine, *full.shape[1:])
+        return b if then is None else then(b)
+
+    return all_to_all_single_async(recv, full, [mine] * world, list(sizes), group, then=blocks)
 
 
 class _GatherRowsFromGroup(torch.autograd.Function):

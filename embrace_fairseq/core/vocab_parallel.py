@@ -9,20 +9,28 @@ has its own ``T_r`` target positions with hidden states ``H_r``. One step
    tokens; otherwise an AlltoAll that sends each rank's rows once, unpadded, since
    gloo's and NCCL's all-gathers need equal sizes); ``M = sum T_r`` tokens;
 2. local logits ``Z_r = H W[S_r]^T``: ``M x |S_r|``, never ``M x V``;
-3. per token, combine over ranks: max ``m`` (all-reduce MAX), then the sum of
-   exponentials ``s``, the target's logit ``z_y`` (from its owner) and, for label
-   smoothing, the sum of logits (one all-reduce SUM); ``logZ = m + log s``,
-   ``nll = logZ - z_y``, ``smooth = V logZ - sum_v z_v``; for accuracy the argmax over
-   the full vocabulary (all-reduce MIN of the candidate id of every rank whose local
-   max is the global one: the first index on ties, as ``argmax`` does);
-4. each rank returns its own tokens' ``nll`` and ``smooth``.
+3. per token, this shard's statistics: its local max ``m_r``, ``s_r = sum exp(z - m_r)``
+   over its columns, the target's logit ``z_y`` where it owns the target (else 0), for
+   label smoothing the sum of its logits, for accuracy its local argmax; the logits
+   buffer now holds the numerators ``exp(z - m_r)``;
+4. one AlltoAll sends each token's statistics to the token's owner, which combines
+   them: ``m = max_r m_r``, ``logZ = m + log sum_r s_r exp(m_r - m)`` (the merge of
+   partial softmax sums: no separate max round), ``nll = logZ - z_y``,
+   ``smooth = V logZ - sum_v z_v``, and the argmax over the full vocabulary (the
+   smallest id among the ranks whose local max is the global one: the first index on
+   ties, as ``argmax`` does); each rank returns its own tokens' ``nll`` and ``smooth``.
 
-Backward: the upstream per-token gradients are all-gathered (``M x 2`` floats); each
-rank forms its columns of ``dZ = g_nll (p - onehot_y) + g_smooth (V p - 1)``; the
-table's gradient ``dZ^T H`` stays on its rank, times ``grad_scale`` (``1/N``: the
-data-parallel average convention of the sharded tables); ``dH = dZ W[S_r]`` is summed
-over ranks and scattered back to the tokens' owners (an AlltoAll plus a local sum,
-no padding).
+Backward: the upstream per-token gradients and ``logZ`` of every token are
+all-gathered (``M x 2`` or ``M x 3`` floats) while the rank computes ``Q = E W[S_r]``
+from the kept numerators ``E`` (the largest product, which needs neither). With
+``p = E exp(m_r - logZ)`` per token and ``a = g_nll + V g_smooth``,
+``dZ = g_nll (p - onehot_y) + g_smooth (V p - 1)`` is never formed: the hidden
+gradient is ``a exp(m_r - logZ) Q - g_nll W[y] - g_smooth sum_v W[v]`` (rows of
+``Q`` scaled, owned targets' rows, a column sum), summed over ranks and scattered
+back to the tokens' owners (an AlltoAll plus a local sum, no padding) while the rank
+computes the table's gradient ``E^T (a exp(m_r - logZ) H) - onehot^T (g_nll H) -
+sum_t g_smooth H`` times ``grad_scale`` (``1/N``: the data-parallel average convention
+of the sharded tables), which stays on its rank.
 
 Volume per rank, elements: ``2 (N-1) T D`` for the activations against
 ``2 (N-1)/N V D`` for the table: it wins when all ranks' tokens ``N T`` are fewer
@@ -47,7 +55,6 @@ import torch.nn.functional as F
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, record_all
-from embrace_fairseq.core.ring_volume import ring_allreduce_bytes
 from embrace_fairseq.core.trace import mark_start, record_overlapped
 
 logger = logging.getLogger(__name__)
@@ -78,31 +85,16 @@ def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
     return [int(p.item()) for p in parts]
 
 
-def _all_gather_rows(x: torch.Tensor, counts: Sequence[int], group, ledgers, kind: str) -> torch.Tensor:
-    """Rows of every rank, in rank order (``sum(counts)`` rows): an all-gather when the
-    counts are equal, else the unpadded AlltoAll (the same rows on the wire, no padding)."""
+def _scatter_stats(stats: torch.Tensor, counts: Sequence[int], group, ledgers) -> torch.Tensor:
+    """Each token's statistics to the token's owner: ``world x counts[rank] x k``."""
     rank, world = _world(group)
     if world == 1:
-        return x
-    row = math.prod(x.shape[1:]) * x.element_size()
+        return stats.unsqueeze(0)
+    row = stats.shape[1] * stats.element_size()
     mark_start(list(ledgers))
-    if min(counts) == max(counts):
-        out = collectives.all_gather_rows(x, counts, group)
-    else:
-        out = collectives.all_gather_uneven_rows(x, counts, group)
-    record_all(ledgers, kind, (world - 1) * counts[rank] * row, (sum(counts) - counts[rank]) * row)
-    return out
-
-
-def _all_reduce(x: torch.Tensor, op: str, group, ledgers, kind: str) -> torch.Tensor:
-    rank, world = _world(group)
-    if world == 1 or x.numel() == 0:
-        return x
-    mark_start(list(ledgers))
-    x = collectives.all_reduce(x.contiguous(), op, group)
-    nbytes = int(ring_allreduce_bytes(x.numel() * x.element_size(), world))
-    record_all(ledgers, kind, nbytes, nbytes)
-    return x
+    blocks = collectives.scatter_token_rows(stats, counts, group)
+    record_all(ledgers, K.SOFTMAX_STATS, (sum(counts) - counts[rank]) * row, (world - 1) * counts[rank] * row)
+    return blocks
 
 
 class _InFlight:
@@ -125,7 +117,9 @@ class _InFlight:
 
 
 def _gather_rows_async(x: torch.Tensor, counts: Sequence[int], group, ledgers, kind: str) -> _InFlight:
-    """:func:`_all_gather_rows`, issued now and waited for later."""
+    """Rows of every rank, in rank order (``sum(counts)`` rows), issued now and waited
+    for later: an all-gather when the counts are equal, else the unpadded AlltoAll (the
+    same rows on the wire, no padding)."""
     rank, world = _world(group)
     if world == 1:
         return _InFlight(None, ledgers, kind, 0, 0, local=x)
@@ -198,38 +192,79 @@ def target_logits(z: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     return zy
 
 
-def exp_shifted_(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``z <- exp(z - m)`` per token, in place (the softmax numerators against the global
-    max ``m``, each at most 1); returns ``z``. The logits are not kept: the backward
-    needs only these and the per-token sums (:func:`logits_grad_`)."""
-    return z.sub_(m.unsqueeze(1)).exp_()
+def shard_stats_(z: torch.Tensor, col: torch.Tensor, rows: torch.Tensor, vocab_size: int, *,
+                 smoothing: bool, accuracy: bool) -> torch.Tensor:
+    """This shard's per-token statistics, ``M x k`` float32: local max ``m_r``,
+    ``sum exp(z - m_r)``, the target's logit where the shard owns the target (else 0),
+    then with ``smoothing`` the sum of the logits and with ``accuracy`` the global id
+    of the local argmax (its int32 bits: the id travels exactly). Overwrites ``z`` in
+    place with the numerators ``exp(z - m_r)`` (each at most 1), all the backward needs
+    of the logits."""
+    loc = local_max(z, rows, vocab_size)
+    cols = [loc.max, loc.max, target_logits(z, col)]
+    if smoothing:
+        cols.append(z.sum(dim=1))
+    if accuracy:
+        cols.append(loc.argmax.to(torch.int32).view(torch.float32))
+    if z.shape[1]:
+        z.sub_(loc.max.unsqueeze(1)).exp_()
+    cols[1] = z.sum(dim=1)
+    return torch.stack(cols, dim=1)
 
 
-def losses_from_stats(m: torch.Tensor, sums: torch.Tensor, vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(logZ, nll, smooth)`` per token from the global max and the combined
-    ``[sum exp(z - m), z_y, (sum z)]``: ``nll = -log p_y``, ``smooth = -sum_v log p_v``
-    (None without smoothing)."""
-    log_z = m + torch.log(sums[0])
-    nll = log_z - sums[1]
-    smooth = vocab_size * log_z - sums[2] if sums.shape[0] > 2 else None
-    return log_z, nll, smooth
+@dataclass
+class TokenLosses:
+    """This rank's tokens' values, combined from every shard's statistics."""
+
+    log_z: torch.Tensor
+    nll: torch.Tensor
+    smooth: Optional[torch.Tensor]  # ``-sum_v log p_v`` (label smoothing)
+    pred: Optional[torch.Tensor]  # argmax over the full vocabulary (accuracy)
 
 
-def logits_grad_(
-    e: torch.Tensor, s: torch.Tensor, col: torch.Tensor, g_nll: torch.Tensor,
-    g_smooth: Optional[torch.Tensor], vocab_size: int,
-) -> torch.Tensor:
-    """This shard's columns of ``d(sum g_nll nll + g_smooth smooth)/dZ``, in place of the
-    numerators ``e = exp(z - m)`` (``s``: their global per-token sum, so ``p = e / s``):
-    ``g_nll (p - onehot_y) + g_smooth (V p - 1)``. Returns ``e``, overwritten."""
-    coef = g_nll if g_smooth is None else g_nll + vocab_size * g_smooth
-    dz = e.mul_((coef / s).unsqueeze(1))
-    if g_smooth is not None:
-        dz.sub_(g_smooth.unsqueeze(1))
+def combine_stats(blocks: torch.Tensor, vocab_size: int, *, smoothing: bool, accuracy: bool) -> TokenLosses:
+    """Per token, from every shard's :func:`shard_stats_` (``world x T x k``):
+    ``logZ = m + log sum_r s_r exp(m_r - m)`` with ``m = max_r m_r`` (an empty shard's
+    ``m_r = -inf`` adds 0), ``nll = logZ - z_y``, ``smooth = V logZ - sum_v z_v``, and
+    the smallest id among the shards whose local max is ``m``."""
+    m_r = blocks[..., 0]
+    m = m_r.max(dim=0).values
+    log_z = m + torch.log((blocks[..., 1] * torch.exp(m_r - m)).sum(dim=0))
+    nll = log_z - blocks[..., 2].sum(dim=0)
+    smooth = vocab_size * log_z - blocks[..., 3].sum(dim=0) if smoothing else None
+    pred = None
+    if accuracy:
+        ids = blocks[..., -1].contiguous().view(torch.int32).long()
+        pred = torch.where(m_r == m, ids, torch.full_like(ids, vocab_size)).min(dim=0).values
+    return TokenLosses(log_z, nll, smooth, pred)
+
+
+def hidden_grad(q: torch.Tensor, weight: torch.Tensor, col: torch.Tensor, coef: torch.Tensor,
+                g_nll: torch.Tensor, g_smooth: Optional[torch.Tensor]) -> torch.Tensor:
+    """``dZ W[S_r]`` for ``dZ = g_nll (p - onehot_y) + g_smooth (V p - 1)`` without
+    forming ``dZ``: ``coef Q - g_nll W[y] - g_smooth sum_v W[v]``, where ``Q = E W[S_r]``
+    and ``coef = (g_nll + V g_smooth) exp(m_r - logZ)`` (``p = E exp(m_r - logZ)``).
+    Overwrites ``q``."""
+    dh = q.mul_(coef.unsqueeze(1))
     owned = (col >= 0).nonzero().squeeze(1)
     if owned.numel():
-        dz[owned, col[owned]] -= g_nll[owned]
-    return dz
+        dh[owned] -= g_nll[owned].unsqueeze(1) * weight[col[owned]]
+    if g_smooth is not None:
+        dh -= g_smooth.unsqueeze(1) * weight.sum(dim=0).unsqueeze(0)
+    return dh
+
+
+def weight_grad(e: torch.Tensor, hidden: torch.Tensor, col: torch.Tensor, coef: torch.Tensor,
+                g_nll: torch.Tensor, g_smooth: Optional[torch.Tensor]) -> torch.Tensor:
+    """``dZ^T H`` for the same ``dZ`` (:func:`hidden_grad`), from the numerators ``E``:
+    ``E^T (coef H) - onehot_y^T (g_nll H) - sum_t g_smooth H`` (the last on every row)."""
+    gw = e.t() @ (hidden * coef.unsqueeze(1))
+    owned = (col >= 0).nonzero().squeeze(1)
+    if owned.numel():
+        gw.index_add_(0, col[owned], hidden[owned] * -g_nll[owned].unsqueeze(1))
+    if g_smooth is not None:
+        gw -= (g_smooth @ hidden).unsqueeze(0)
+    return gw
 
 
 # --------------------------------------------------------------------------- autograd
@@ -248,15 +283,16 @@ class VocabShardSpec:
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """``(hidden T x D, weight shard, target T)`` -> ``(nll T, smooth T, n_correct)``
-    for this rank's tokens, computed against every rank's shard. Collective.
+    for this rank's tokens, computed against every rank's shard. Collective: in
+    forward two asynchronous gathers (hidden states, targets) and one blocking
+    AlltoAll (the statistics); in backward one asynchronous gather (upstream
+    gradients and ``logZ``) and one asynchronous reduce-scatter (hidden gradients).
 
     Overlap: the hidden states' all-gather is in flight while this rank computes its
-    own tokens' logits, and the reduce-scatter of the hidden-state gradients while it
-    computes the shard's weight gradient (the two products that need no peer). The
-    logits are overwritten by their softmax numerators in forward and by their
-    gradient in backward: one ``M x V/N`` buffer, one ``exp``. The function runs
-    once per graph (its buffer is consumed by the backward; a second backward through
-    the same graph stops with autograd's in-place error)."""
+    own tokens' logits; the upstream gradients' gather while it computes ``E W[S_r]``;
+    the reduce-scatter of the hidden-state gradients while it computes the shard's
+    weight gradient. The logits are overwritten by their softmax numerators: one
+    ``M x V/N`` buffer and one ``exp`` per step, which the backward only reads."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, spec: VocabShardSpec, counts: List[int], smoothing: bool, accuracy: bool):  # type: ignore[override]
@@ -274,45 +310,42 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits_into(z[:offset], h_all[:offset], w)
         logits_into(z[offset + mine:], h_all[offset + mine:], w)
         col = local_columns(y_all, spec.rows, V)
-        loc = local_max(z, spec.rows, V)
-        m = _all_reduce(loc.max.clone(), "max", group, ledgers, K.SOFTMAX_STATS)
-        parts = [target_logits(z, col)]
-        if smoothing:
-            parts.append(z.sum(dim=1))
-        e = exp_shifted_(z, m)
-        sums = _all_reduce(torch.stack([e.sum(dim=1), *parts]), "sum", group, ledgers, K.SOFTMAX_STATS)
-        log_z, nll, smooth = losses_from_stats(m, sums, V)
+        stats = shard_stats_(z, col, spec.rows, V, smoothing=smoothing, accuracy=accuracy)  # z <- E
+        own = combine_stats(_scatter_stats(stats, counts, group, ledgers), V, smoothing=smoothing, accuracy=accuracy)
         if accuracy:
-            cand = torch.where(loc.max == m, loc.argmax, torch.full_like(loc.argmax, V))
-            pred = _all_reduce(cand, "min", group, ledgers, K.SOFTMAX_STATS)
-            n_correct = (pred == y_all)[sl].sum()
+            n_correct = (own.pred == target.long()).sum()
         else:
             n_correct = torch.zeros((), dtype=torch.long)
-        ctx.save_for_backward(h_all, weight, e, sums[0].clone(), col)
+        ctx.save_for_backward(h_all, weight, z, stats[:, 0].clone(), col, own.log_z)
         ctx.spec, ctx.counts, ctx.smoothing, ctx.hidden_dtype = spec, list(counts), smoothing, hidden.dtype
         ctx.mark_non_differentiable(n_correct)
-        smooth_out = smooth[sl].clone() if smooth is not None else nll.new_zeros(mine)
-        return nll[sl].clone(), smooth_out, n_correct
+        smooth_out = own.smooth if smoothing else own.nll.new_zeros(mine)
+        return own.nll, smooth_out, n_correct
 
     @staticmethod
     def backward(ctx, g_nll, g_smooth, _g_correct):  # type: ignore[override]
-        h_all, weight, e, s, col = ctx.saved_tensors
+        h_all, weight, e, m_local, col, log_z = ctx.saved_tensors
         spec, counts = ctx.spec, ctx.counts
         rank, world = _world(spec.group)
         mine = counts[rank]
-        g_nll = g_nll if g_nll is not None else e.new_zeros(mine)
-        cols = [g_nll.float()]
+        cols = [g_nll.float() if g_nll is not None else e.new_zeros(mine)]
         if ctx.smoothing:
             cols.append(g_smooth.float() if g_smooth is not None else e.new_zeros(mine))
-        g = _all_gather_rows(torch.stack(cols, dim=1), counts, spec.group, spec.ledgers, K.SOFTMAX_STATS)
-        dz = logits_grad_(e, s, col, g[:, 0], g[:, 1] if ctx.smoothing else None, spec.vocab_size)
-        dh_all = (dz @ weight.float()).to(ctx.hidden_dtype)
+        cols.append(log_z)
+        g_wait = _gather_rows_async(torch.stack(cols, dim=1), counts, spec.group, spec.ledgers, K.SOFTMAX_STATS)
+        w = weight.float()
+        q = e @ w  # the largest product needs no peer: it runs while the gradients arrive
+        g = g_wait.wait()
+        g_n, g_s = g[:, 0], (g[:, 1] if ctx.smoothing else None)
+        coef = torch.exp(m_local - g[:, -1])  # p = E exp(m_r - logZ)
+        coef.mul_(g_n if g_s is None else g_n + spec.vocab_size * g_s)
+        dh_all = hidden_grad(q, w, col, coef, g_n, g_s).to(ctx.hidden_dtype)
         # collective on every rank alike, whatever this rank needs; in flight during the
         # weight gradient's product
         dh_wait = _reduce_scatter_rows_async(dh_all, counts, spec.group, spec.ledgers, K.HIDDEN_GRAD)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (dz.t() @ h_all.float()).mul_(spec.grad_scale).to(weight.dtype)
+            grad_weight = weight_grad(e, h_all.float(), col, coef, g_n, g_s).mul_(spec.grad_scale).to(weight.dtype)
         dh = dh_wait.wait()
         return (dh if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None, None
 
@@ -396,17 +429,19 @@ def output_bytes(
     shard = max_shard_rows if max_shard_rows is not None else -(-vocab_size // world)
     smallest = vocab_size // world
     gather = (world - 1) * shard * dim * elem_bytes + (vocab_size - smallest) * dim * elem_bytes
-    ring = 2.0 * (world - 1) / world
-    k = 3 if smoothing else 2
-    vp = (
-        (world - 1) * 8  # counts
-        + (world - 1) * t * dim * elem_bytes  # hidden states
-        + (world - 1) * t * 8  # targets
-        + ring * m * 4 * k  # max, then [sum exp, z_y, (sum z)]
-        + (ring * m * 8 if accuracy else 0)
-        + (world - 1) * t * 4 * (2 if smoothing else 1)  # upstream gradients
-        + (world - 1) * t * dim * elem_bytes  # hidden-state gradients (at most)
-    )
+    k = 3 + int(smoothing) + int(accuracy)  # per-token statistics: m_r, s_r, z_y, (sum z), (argmax)
+    row = dim * elem_bytes
+
+    def sent(mine: int) -> float:  # by a rank with ``mine`` tokens
+        return (
+            (world - 1) * 8  # its count
+            + (world - 1) * mine * (row + 8)  # its hidden states and targets to every peer
+            + (m - mine) * 4 * k  # statistics of the others' tokens to their owners
+            + (world - 1) * mine * 4 * (3 if smoothing else 2)  # upstream gradients and logZ
+            + (m - mine) * row  # hidden-state gradients of the others' tokens
+        )
+
+    vp = max(sent(c) for c in counts)
     return OutputCost(int(gather), int(vp), int(t))
 
 

@@ -101,17 +101,18 @@ def vocab_parallel_output(step: StepTraffic) -> Dict[str, float]:
     (``hidden_gather`` = (N-1)·T_r·D·e) and the rows of the others' tokens of its
     hidden-state gradient to their owners (``hidden_grad`` = (M-T_r)·D·e); averaged over
     ranks both are (N-1)·mean(T)·D·e. ``softmax_stats``: a count to each peer (8 bytes),
-    the targets (id_size) and the upstream per-token gradients (4 bytes) to each peer,
-    and ring all-reduces of three floats per token (max; sum of exponentials and the
-    target's logit). Label smoothing (one more float per token each way) and accuracy
-    (one int64 all-reduce) are not counted: the benchmark's criterion uses neither."""
+    the targets (id_size) to each peer, three floats per token (local max, sum of
+    exponentials, the target's logit) from every shard to the token's owner, and in
+    backward the upstream per-token gradient and ``logZ`` (two floats) to each peer.
+    Label smoothing (one more float per token each way) and accuracy (one more in
+    forward) are not counted: the benchmark's criterion uses neither."""
     n = step.world_size
     tokens = list(step.tokens_per_rank or [])
     m = float(sum(tokens))
     per_peer = (n - 1) * m / n  # mean over ranks of (N-1)·T_r
     row = step.dim * step.element_size
     return {
-        K.SOFTMAX_STATS: (n - 1) * 8.0 + per_peer * (step.id_size + 4) + 3 * ring_allreduce_bytes(m * 4, n),
+        K.SOFTMAX_STATS: (n - 1) * 8.0 + per_peer * (step.id_size + 2 * 4) + per_peer * 3 * 4,
         K.HIDDEN_GATHER: per_peer * row,
         K.HIDDEN_GRAD: per_peer * row,
     }

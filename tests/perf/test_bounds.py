@@ -67,10 +67,11 @@ def test_embrace_vocab_parallel_output_hand_count():
     # each rank sends its own states to the other and the other's rows of the gradient back:
     # rank 0 3 rows out, 5 back; rank 1 5 out, 3 back; a mean of 4 rows each way
     assert b["hidden_gather"] == 4 * 16 and b["hidden_grad"] == 4 * 16
-    # a count (int64), the targets (int32) and upstream gradients (fp32) of 4 tokens on
-    # average, and three ring all-reduces of one float per token over the 8 tokens
-    assert b["softmax_stats"] == 8 + 4 * (4 + 4) + 3 * 8 * 4
-    assert "table_gather" not in b and b["total"] == 440.0 + 64 + 64 + 8 + 32 + 96
+    # a count (int64), the targets (int32), the upstream gradients and logZ (2 fp32) of
+    # 4 tokens on average, and three fp32 statistics per token to the owners of the
+    # other's tokens (4 tokens on average)
+    assert b["softmax_stats"] == 8 + 4 * (4 + 8) + 4 * 3 * 4
+    assert "table_gather" not in b and b["total"] == 440.0 + 64 + 64 + 8 + 48 + 48
     with pytest.raises(ValueError, match="tokens_per_rank"):
         _bounds("embrace_schedule", tied_output="vocab_parallel")
     with pytest.raises(ValueError, match="tokens_per_rank"):
