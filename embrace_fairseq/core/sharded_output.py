@@ -28,10 +28,12 @@ from embrace_fairseq.core.vocab_parallel import (
     VOCAB_PARALLEL,
     OutputChooser,
     OutputCost,
+    PrefetchedCounts,
     VocabParallelLoss,
     VocabShardSpec,
     _gather_counts,
     output_bytes,
+    prefetch_counts,
     vocab_parallel_loss,
 )
 
@@ -53,6 +55,7 @@ class VocabParallelOutput:
 
     output_mode: str = GATHER
     chooser: Optional[OutputChooser] = None
+    _counts_ahead: Optional[PrefetchedCounts] = None  # :meth:`prefetch_token_counts`
 
     def output_table(self) -> ShardedEmbedding:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -67,6 +70,20 @@ class VocabParallelOutput:
         on = enabled and self.output_mode != GATHER and self.output_table().is_sharded
         self.chooser = OutputChooser(self.output_mode, name) if on else None
 
+    @property
+    def takes_marker(self) -> bool:
+        """Whether a forward now returns the :class:`VocabParallelLogits` marker."""
+        return self.chooser is not None and self.training and torch.is_grad_enabled()
+
+    def prefetch_token_counts(self, tokens: int) -> None:
+        """Start this step's all-gather of every rank's target-token count now
+        (asynchronous), before the forward: the loss then waits for it, usually long
+        done, instead of gathering the counts itself. ``tokens`` must be the number of
+        positions the loss will get. Collective; call it on every rank alike, only when
+        :attr:`takes_marker`."""
+        table = self.output_table()
+        self._counts_ahead = prefetch_counts(tokens, table.group, tuple(ledgers_for(table.ledger)))
+
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
         weight = self.output_table().gathered_weight()
         if features.dim() > 2 and not weight.requires_grad:
@@ -79,7 +96,7 @@ class VocabParallelOutput:
         return F.linear(features, weight)
 
     def project(self, features: torch.Tensor):
-        if self.chooser is not None and self.training and torch.is_grad_enabled():
+        if self.takes_marker:
             return VocabParallelLogits(features, self)
         return self.full_logits(features)
 
@@ -117,10 +134,18 @@ class VocabParallelLogits:
         return self._logits
 
     def decide(self, hidden_tokens: int, *, smoothing: bool, accuracy: bool) -> Tuple[str, list]:
-        """The path for this step (collective: all-gathers the token counts)."""
+        """The path for this step (collective: all-gathers the token counts, unless
+        :meth:`VocabParallelOutput.prefetch_token_counts` started that already)."""
         table = self.layer.output_table()
-        ledgers = tuple(ledgers_for(table.ledger))
-        counts = _gather_counts(hidden_tokens, table.group, ledgers)
+        prefetched, self.layer._counts_ahead = self.layer._counts_ahead, None
+        if prefetched is None:
+            counts = _gather_counts(hidden_tokens, table.group, tuple(ledgers_for(table.ledger)))
+        else:
+            counts = prefetched.wait()
+            if prefetched.tokens != hidden_tokens:
+                raise RuntimeError(
+                    f"{self.layer.chooser.name}: {prefetched.tokens} target tokens were announced to the other "
+                    f"ranks before the forward, but the loss got {hidden_tokens}")
         self.cost = output_bytes(
             table.num_embeddings, table.embedding_dim, counts, elem_bytes=self.features.element_size(),
             smoothing=smoothing, accuracy=accuracy, max_shard_rows=table.plan.max_shard_size,

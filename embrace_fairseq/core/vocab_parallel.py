@@ -85,6 +85,26 @@ def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
     return [int(p.item()) for p in parts]
 
 
+@dataclass
+class PrefetchedCounts:
+    """Every rank's token count, gathered ahead of the loss (:func:`prefetch_counts`)."""
+
+    tokens: int  # this rank's count, as given
+    inflight: "_InFlight"
+
+    def wait(self) -> List[int]:
+        return [int(c) for c in self.inflight.wait().reshape(-1).tolist()]
+
+
+def prefetch_counts(tokens: int, group, ledgers: Sequence[CommLedger]) -> PrefetchedCounts:
+    """Every rank's token count, asynchronously: issued by whoever knows the count before
+    the forward (the criterion, from the sample), waited for at the loss, so the loss
+    does not stop to gather it. Collective."""
+    rank, world = _world(group)
+    return PrefetchedCounts(int(tokens), _gather_rows_async(torch.tensor([int(tokens)], dtype=torch.long),
+                                                            [1] * world, group, ledgers, K.SOFTMAX_STATS))
+
+
 def _scatter_stats(stats: torch.Tensor, counts: Sequence[int], group, ledgers) -> torch.Tensor:
     """Each token's statistics to the token's owner: ``world x counts[rank] x k``."""
     rank, world = _world(group)

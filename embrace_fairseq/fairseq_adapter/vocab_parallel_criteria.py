@@ -2,7 +2,9 @@
 
 ``cross_entropy`` and ``label_smoothed_cross_entropy`` keep their names, flags and
 logged values (``--label-smoothing``, ``--ignore-prefix-size``, ``--report-accuracy``,
-``--sentence-avg``). Their ``compute_loss`` / ``compute_accuracy`` are wrapped once, at
+``--sentence-avg``). Their ``forward`` is wrapped once, at import, to start the
+all-gather of the step's target-token counts before the model runs (the loss then finds
+them gathered). Their ``compute_loss`` / ``compute_accuracy`` are wrapped once, at
 import: when the model's output is a :class:`~embrace_fairseq.core.sharded_output.VocabParallelLogits`
 marker (training, vocab-parallel enabled), the loss is computed over the shards (or,
 when the step's choice is the gather path, from the full logits by the stock code);
@@ -83,6 +85,32 @@ def _split(criterion: Any, model: Any, net_output: Any, sample: Any, prefix: int
     mask = target.ne(criterion.padding_idx)
     hidden = features.reshape(-1, features.shape[-1])[mask]
     return hidden, target[mask], mask
+
+
+def _prefetch_token_counts(criterion: Any, model: Any, sample: Any) -> None:
+    """Start the all-gather of the step's target-token counts before the forward, from
+    the sample (the positions :func:`_split` will keep: padding and the ignored prefix
+    removed), for every output layer whose forward will return the marker."""
+    layers = [m for m in output_layers(model) if m.takes_marker]
+    if not layers or not isinstance(sample, dict) or sample.get("target") is None:
+        return
+    target = sample["target"]
+    prefix = getattr(criterion, "ignore_prefix_size", 0)
+    if prefix > 0:
+        target = target[:, prefix:]
+    tokens = int(target.ne(criterion.padding_idx).sum())
+    for m in layers:
+        m.prefetch_token_counts(tokens)
+
+
+def _criterion_forward(original):
+    @functools.wraps(original)
+    def forward(self, model, sample, reduce=True):
+        _prefetch_token_counts(self, model, sample)
+        return original(self, model, sample, reduce)
+
+    forward._embrace_vocab_parallel = True  # type: ignore[attr-defined]
+    return forward
 
 
 def _unreduce(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -171,6 +199,8 @@ def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    for criterion in SUPPORTED_CRITERIA:
+        criterion.forward = _criterion_forward(criterion.forward)
     CrossEntropyCriterion.compute_loss = _cross_entropy_compute_loss(CrossEntropyCriterion.compute_loss)
     LabelSmoothedCrossEntropyCriterion.compute_loss = _label_smoothed_compute_loss(
         LabelSmoothedCrossEntropyCriterion.compute_loss)

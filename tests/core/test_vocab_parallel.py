@@ -128,3 +128,13 @@ def test_second_backward_through_one_graph_gives_the_same_gradients():
     gh, gw = h.grad.clone(), w.grad.clone()
     loss.backward()
     assert torch.allclose(h.grad, 2 * gh) and torch.allclose(w.grad, 2 * gw)
+
+
+def test_token_counts_prefetched_before_the_forward():
+    """The criterion starts the token counts' all-gather before the forward: the loss
+    gets the same counts, losses and gradients as when it gathers them itself, and a
+    count that differs from the loss's positions stops with a message."""
+    results = run_ranks(fns.prefetched_counts, 2)
+    for counts, same, error in results:
+        assert counts == [3, 5] and same
+        assert "announced to the other ranks" in error

@@ -121,3 +121,36 @@ def ledger_bytes_per_step(rank, world, vocab, dim, tokens, eps=0.1):
         table.finish_pending()
         out[mode] = global_ledger().snapshot()["sent"]
     return out
+
+
+def prefetched_counts(rank, world, vocab=13, dim=4):
+    """The loss through an untied sharded output projection, with the token counts
+    gathered by the loss and prefetched before the forward: same counts, same loss and
+    gradients; a prefetch that announced another count stops the loss with a message."""
+    from embrace_fairseq.core.sharded_output import ShardedOutputProjection
+
+    torch.manual_seed(0)
+    layer = ShardedOutputProjection(dim, vocab, mode="vocab-parallel")
+    layer.enable_vocab_parallel(True)
+    tokens = 3 + 2 * rank
+    g = torch.Generator().manual_seed(rank)
+    h0, y = torch.randn(tokens, dim, generator=g), torch.randint(0, vocab, (tokens,), generator=g)
+    out = {}
+    for prefetch in (False, True):
+        layer.weight.grad = None
+        h = h0.clone().requires_grad_(True)
+        if prefetch:
+            assert layer.takes_marker
+            layer.prefetch_token_counts(tokens)
+        marker = layer(h)
+        res = marker.loss(h, y, smoothing=True, accuracy=False)
+        res.nll.sum().backward()
+        out[prefetch] = (res.counts, res.nll.detach(), h.grad.clone(), layer.weight.grad.clone())
+    same = out[False][0] == out[True][0] and all(torch.equal(a, b) for a, b in zip(out[False][1:], out[True][1:]))
+    layer.prefetch_token_counts(tokens + 1)
+    try:
+        layer(h0.clone().requires_grad_(True)).loss(h0, y, smoothing=False, accuracy=False)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return out[True][0], same, error
