@@ -13,12 +13,13 @@ keep the logits path.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from embrace_fairseq.core import collectives
 from embrace_fairseq.core.ledger import ledgers_for
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
@@ -75,12 +76,12 @@ class VocabParallelOutput:
         """Whether a forward now returns the :class:`VocabParallelLogits` marker."""
         return self.chooser is not None and self.training and torch.is_grad_enabled()
 
-    def prefetch_token_counts(self, tokens: int) -> None:
+    def prefetch_token_counts(self, tokens: Union[int, torch.Tensor]) -> None:
         """Start this step's all-gather of every rank's target-token count now
         (asynchronous), before the forward: the loss then waits for it, usually long
-        done, instead of gathering the counts itself. ``tokens`` must be the number of
-        positions the loss will get. Collective; call it on every rank alike, only when
-        :attr:`takes_marker`."""
+        done, instead of gathering the counts itself. ``tokens`` (an int or a
+        one-element tensor) must be the number of positions the loss will get.
+        Collective; call it on every rank alike, only when :attr:`takes_marker`."""
         table = self.output_table()
         self._counts_ahead = prefetch_counts(tokens, table.group, tuple(ledgers_for(table.ledger)))
 
@@ -142,9 +143,10 @@ class VocabParallelLogits:
             counts = _gather_counts(hidden_tokens, table.group, tuple(ledgers_for(table.ledger)))
         else:
             counts = prefetched.wait()
-            if prefetched.tokens != hidden_tokens:
+            announced = counts[collectives.rank(table.group)]
+            if announced != hidden_tokens:
                 raise RuntimeError(
-                    f"{self.layer.chooser.name}: {prefetched.tokens} target tokens were announced to the other "
+                    f"{self.layer.chooser.name}: {announced} target tokens were announced to the other "
                     f"ranks before the forward, but the loss got {hidden_tokens}")
         self.cost = output_bytes(
             table.num_embeddings, table.embedding_dim, counts, elem_bytes=self.features.element_size(),

@@ -47,7 +47,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -89,20 +89,20 @@ def _gather_counts(n: int, group, ledgers: Sequence[CommLedger]) -> List[int]:
 class PrefetchedCounts:
     """Every rank's token count, gathered ahead of the loss (:func:`prefetch_counts`)."""
 
-    tokens: int  # this rank's count, as given
     inflight: "_InFlight"
 
     def wait(self) -> List[int]:
         return [int(c) for c in self.inflight.wait().reshape(-1).tolist()]
 
 
-def prefetch_counts(tokens: int, group, ledgers: Sequence[CommLedger]) -> PrefetchedCounts:
+def prefetch_counts(tokens: Union[int, torch.Tensor], group, ledgers: Sequence[CommLedger]) -> PrefetchedCounts:
     """Every rank's token count, asynchronously: issued by whoever knows the count before
     the forward (the criterion, from the sample), waited for at the loss, so the loss
-    does not stop to gather it. Collective."""
+    does not stop to gather it. ``tokens``: an int, or a one-element integer tensor on
+    any device (counted there: no host synchronisation before the forward). Collective."""
     rank, world = _world(group)
-    return PrefetchedCounts(int(tokens), _gather_rows_async(torch.tensor([int(tokens)], dtype=torch.long),
-                                                            [1] * world, group, ledgers, K.SOFTMAX_STATS))
+    t = tokens.reshape(1).long() if torch.is_tensor(tokens) else torch.tensor([int(tokens)], dtype=torch.long)
+    return PrefetchedCounts(_gather_rows_async(t, [1] * world, group, ledgers, K.SOFTMAX_STATS))
 
 
 def _scatter_stats(stats: torch.Tensor, counts: Sequence[int], group, ledgers) -> torch.Tensor:
@@ -221,14 +221,15 @@ def shard_stats_(z: torch.Tensor, col: torch.Tensor, rows: torch.Tensor, vocab_s
     place with the numerators ``exp(z - m_r)`` (each at most 1), all the backward needs
     of the logits."""
     loc = local_max(z, rows, vocab_size)
-    cols = [loc.max, loc.max, target_logits(z, col)]
-    if smoothing:
-        cols.append(z.sum(dim=1))
-    if accuracy:
-        cols.append(loc.argmax.to(torch.int32).view(torch.float32))
+    z_y = target_logits(z, col)
+    z_sum = z.sum(dim=1) if smoothing else None  # read before the logits are overwritten
     if z.shape[1]:
         z.sub_(loc.max.unsqueeze(1)).exp_()
-    cols[1] = z.sum(dim=1)
+    cols = [loc.max, z.sum(dim=1), z_y]
+    if smoothing:
+        cols.append(z_sum)
+    if accuracy:
+        cols.append(loc.argmax.to(torch.int32).view(torch.float32))
     return torch.stack(cols, dim=1)
 
 

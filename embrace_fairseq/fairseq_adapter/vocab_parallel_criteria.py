@@ -70,6 +70,7 @@ def configure(model: nn.Module, criterion: Any) -> None:
         return
     for i, m in enumerate(layers):
         m.enable_vocab_parallel(True, name="EmbRace output layer" + (f" {i}" if len(layers) > 1 else ""))
+    criterion._embrace_output_layers = layers  # for the per-step prefetch: no module walk per step
 
 
 def _split(criterion: Any, model: Any, net_output: Any, sample: Any, prefix: int):
@@ -87,18 +88,19 @@ def _split(criterion: Any, model: Any, net_output: Any, sample: Any, prefix: int
     return hidden, target[mask], mask
 
 
-def _prefetch_token_counts(criterion: Any, model: Any, sample: Any) -> None:
+def _prefetch_token_counts(criterion: Any, sample: Any) -> None:
     """Start the all-gather of the step's target-token counts before the forward, from
     the sample (the positions :func:`_split` will keep: padding and the ignored prefix
-    removed), for every output layer whose forward will return the marker."""
-    layers = [m for m in output_layers(model) if m.takes_marker]
+    removed), for every output layer :func:`configure` enabled whose forward will return
+    the marker."""
+    layers = [m for m in getattr(criterion, "_embrace_output_layers", ()) if m.takes_marker]
     if not layers or not isinstance(sample, dict) or sample.get("target") is None:
         return
     target = sample["target"]
     prefix = getattr(criterion, "ignore_prefix_size", 0)
     if prefix > 0:
         target = target[:, prefix:]
-    tokens = int(target.ne(criterion.padding_idx).sum())
+    tokens = target.ne(criterion.padding_idx).sum()  # a tensor: no host synchronisation before the forward
     for m in layers:
         m.prefetch_token_counts(tokens)
 
@@ -106,7 +108,7 @@ def _prefetch_token_counts(criterion: Any, model: Any, sample: Any) -> None:
 def _criterion_forward(original):
     @functools.wraps(original)
     def forward(self, model, sample, reduce=True):
-        _prefetch_token_counts(self, model, sample)
+        _prefetch_token_counts(self, sample)
         return original(self, model, sample, reduce)
 
     forward._embrace_vocab_parallel = True  # type: ignore[attr-defined]
