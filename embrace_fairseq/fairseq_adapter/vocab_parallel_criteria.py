@@ -17,6 +17,7 @@ vocab-parallel`` stops at start-up and ``auto`` keeps the full-logits path.
 from __future__ import annotations
 
 import functools
+import weakref
 import logging
 from typing import Any, List
 
@@ -71,6 +72,7 @@ def configure(model: nn.Module, criterion: Any) -> None:
     for i, m in enumerate(layers):
         m.enable_vocab_parallel(True, name="EmbRace output layer" + (f" {i}" if len(layers) > 1 else ""))
     criterion._embrace_output_layers = layers  # for the per-step prefetch: no module walk per step
+    criterion._embrace_model = weakref.ref(model)  # the prefetch is for this model's forward only
 
 
 def _split(criterion: Any, model: Any, net_output: Any, sample: Any, prefix: int):
@@ -88,13 +90,26 @@ def _split(criterion: Any, model: Any, net_output: Any, sample: Any, prefix: int
     return hidden, target[mask], mask
 
 
-def _prefetch_token_counts(criterion: Any, sample: Any) -> None:
+def _runs_configured_model(criterion: Any, model: Any) -> bool:
+    """Whether ``model`` is the model :func:`configure` saw, or a wrapper of it (fairseq's
+    data-parallel wrappers and DeepSpeed's engine hold it in ``.module``)."""
+    ref = getattr(criterion, "_embrace_model", None)
+    target = ref() if ref is not None else None
+    while model is not None and model is not target:
+        model = getattr(model, "module", None)
+    return target is not None and model is target
+
+
+def _prefetch_token_counts(criterion: Any, model: Any, sample: Any) -> None:
     """Start the all-gather of the step's target-token counts before the forward, from
     the sample (the positions :func:`_split` will keep: padding and the ignored prefix
     removed), for every output layer :func:`configure` enabled whose forward will return
-    the marker."""
+    the marker. Only when ``model`` is the configured one: the same criterion applied to
+    another model (a stock copy, on one rank) must not start a collective."""
     layers = [m for m in getattr(criterion, "_embrace_output_layers", ()) if m.takes_marker]
     if not layers or not isinstance(sample, dict) or sample.get("target") is None:
+        return
+    if not _runs_configured_model(criterion, model):
         return
     target = sample["target"]
     prefix = getattr(criterion, "ignore_prefix_size", 0)
@@ -108,7 +123,7 @@ def _prefetch_token_counts(criterion: Any, sample: Any) -> None:
 def _criterion_forward(original):
     @functools.wraps(original)
     def forward(self, model, sample, reduce=True):
-        _prefetch_token_counts(self, sample)
+        _prefetch_token_counts(self, model, sample)
         return original(self, model, sample, reduce)
 
     forward._embrace_vocab_parallel = True  # type: ignore[attr-defined]

@@ -8,6 +8,8 @@ The vocabulary is odd (``--padding-factor 1``: 55 rows), so shards are uneven on
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import embrace_fairseq.fairseq_adapter  # noqa: F401  (allow-lists fairseq checkpoint globals for torch.load)
@@ -78,8 +80,18 @@ def test_untied_label_smoothing_two_ranks(mt_data, tmp_path):
     """Untied output projection (sharded too), label smoothing, --ignore-prefix-size,
     --report-accuracy, --update-freq; the checkpoint holds the full projection."""
     extra = [*LS, "--ignore-prefix-size", "1", "--update-freq", "2", "--clip-norm", "0.05"]
-    stock, ours = _run_case(mt_data, "translation", "transformer", 2, extra, tmp_path)
+    trace = tmp_path / "trace"
+    stock, ours = _run_case(mt_data, "translation", "transformer", 2, extra, tmp_path,
+                            ours_extra=[*FORCED, "--embrace-trace", str(trace)])
     assert _took_vocab_parallel(ours), ours.output[-3000:]
+    # the criterion started every loss's token-count gather before the model's forward
+    # (on the overlapped lane), none was gathered by the loss itself
+    from embrace_fairseq.core.trace import TABLE_TID
+
+    for rank in range(2):
+        events = json.loads((trace / f"trace.rank{rank}.json").read_text())["traceEvents"]
+        counts = [e["tid"] for e in events if e.get("name") == "softmax_stats" and e["args"].get("bytes") == 8]
+        assert len(counts) >= 40 and set(counts) == {TABLE_TID}, counts
     print([ln for ln in ours.output.splitlines() if "EmbRace output layer" in ln])
     from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
     from embrace_fairseq.guards.safe_load import load as safe_load

@@ -80,7 +80,8 @@ def _run_row(r: Dict[str, Any], ratios: Dict[str, float], drift: Dict[str, float
     hid = "-" if r["hidden_share"] is None else f"{100 * r['hidden_share']:.0f}%"
     sp = ("-" if r["strategy"] == SPEEDUP_SUBJECT else
           f"{ratios.get(r['strategy'], float('nan')):.2f}x{_interval(intervals.get(r['strategy']))}")
-    return (f"| {get_strategy(r['strategy']).label} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+    cpu = "-" if r.get("cpu_s_per_step") is None else f"{r['cpu_s_per_step']:.2f}"
+    return (f"| {get_strategy(r['strategy']).label} | {r['median_step_s']:.3f} | {cpu} | {r['tokens_per_s']:.0f} | "
             f"{_mb(r['bytes_total_per_rank_per_step'])} ({kinds or '-'}) | "
             f"{_mb(r['wire_bytes_per_rank_per_step'])} | {over} | {hid} | {sp} | "
             f"{drift.get(r['strategy'], 0.0):.1e} |")
@@ -95,8 +96,8 @@ def _run_tables(result: Dict[str, Any]) -> List[str]:
     for key, rs in groups.items():
         L.append(f"## {key}")
         L.append("")
-        L.append("| strategy | median step s | tokens/s | MB sent/rank/step (by kind) | wire MB | bytes/min | hidden | (e) speedup | loss drift |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
+        L.append("| strategy | median step s | CPU s/step | tokens/s | MB sent/rank/step (by kind) | wire MB | bytes/min | hidden | (e) speedup | loss drift |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|")
         ratios = result["ratios"].get(key, {})
         drift = result["loss_max_rel_diff_vs_legacy_ddp"].get(key, {})
         intervals = result.get("ratio_intervals", {}).get(key, {})

@@ -148,6 +148,10 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
         "model": model, "world_size": world, "link_gbit": link["gbit"], "latency_ms": link["latency_ms"],
         "strategy": name, "median_step_s": statistics.median(step_s), "step_s": step_s,
         "tokens_per_s": tokens / sum(step_s),
+        # CPU time the ranks' processes used per step, all their threads, summed over ranks:
+        # on ranks that share cores, work that any rank adds slows every rank's step
+        "cpu_s_per_step": (statistics.fmean(sum(pr["cpu_s"][i] for pr in per_rank) for i in range(n_steps))
+                           if n_steps and all("cpu_s" in pr for pr in per_rank) else None),
         "bytes_per_rank_per_step": by_kind, "bytes_total_per_rank_per_step": total,
         "collective_bytes_by_op": {k: statistics.fmean(pr["counted_bytes_by_op"].get(k, 0.0)
                                                        for pr in per_rank) for k in counted},

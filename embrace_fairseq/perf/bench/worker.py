@@ -112,15 +112,17 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
         counter.enabled = False
         dist.barrier()
         counter.enabled = True
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = s.step(batch, upcoming)
         rec["step_s"].append(time.perf_counter() - t0)
+        rec["cpu_s"].append(time.process_time() - c0)
         rec["loss"].append(loss)
         rec["steps"] += 1
     # what the last step left for the next forward is finished now, on this round's clock
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     s.settle()
     rec["step_s"][-1] += time.perf_counter() - t0
+    rec["cpu_s"][-1] += time.process_time() - c0
     counter.enabled = False
     rec["wire"] += _tx_bytes(tx_path) - tx0
     snap1 = ledger.snapshot()
@@ -146,7 +148,7 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
         for k, v in rec["counted"].items():
             kk = _STOCK_KINDS.get(k, k)
             by_kind[kk] = by_kind.get(kk, 0.0) + v / n
-    entry = {"step_s": rec["step_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
+    entry = {"step_s": rec["step_s"], "cpu_s": rec["cpu_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
              "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
              "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
              "tokens": rec["tokens"], "batch_steps": rec["batch_steps"], "rounds": rec["rounds"]}
@@ -181,7 +183,7 @@ def _deepspeed_share(rec: Dict[str, Any]) -> Dict[str, float]:
 
 
 def _record() -> Dict[str, Any]:
-    return {"step_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {}, "wire": 0.0,
+    return {"step_s": [], "cpu_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {}, "wire": 0.0,
             "steps": 0, "batch_steps": [], "tokens": 0, "rounds": [], "trace_events": []}
 
 
@@ -272,8 +274,9 @@ def _profile(built, batches, spec, w) -> Dict[str, Any]:
     s = built.get(REFERENCE) or next(iter(built.values()))
     model = s.module
     criterion, opt = s.extra["criterion"], s.extra["optimizer"]
-    if s.engine is not None:  # only DeepSpeed strategies built: a local copy of the stock model
+    if s.engine is not None:  # only DeepSpeed strategies built: a local copy of the stock model, its own loss
         model = W.build_model(w, w.stock_arch, batches.task, Path(spec["data"]))
+        criterion = W.build_criterion(w, batches.task)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     fwd, bwd, st = [], [], []
     for i in range(spec["profile_steps"]):
