@@ -20,6 +20,7 @@ layout; no collective runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -54,35 +55,43 @@ def inter_node_ids(ids_per_rank: Sequence[torch.Tensor], plan: ShardPlan, topolo
 
 
 def measure(models: Sequence[str], shapes: Sequence[Tuple[int, int]], steps: int, data: Path,
-            cache: Path) -> Dict[str, Dict[str, Dict[str, float]]]:
-    """Per model and shape ``NxK``: the flat and node-aware inter-node ids per step, and their ratio."""
+            cache: Path, tokens_per_rank: Sequence[Optional[int]] = (None,)) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Per model and shape ``NxK``: the flat and node-aware inter-node ids per step, and their ratio.
+    ``tokens_per_rank``: batch sizes to try (None: the workload's own; others are keyed
+    ``NxK @T``), fairseq's ``--max-tokens`` for translation, whole blocks for the LM."""
     from embrace_fairseq.perf.bench.workloads import build_task_and_batches, prepare_shared_inputs, workloads
 
     prepare_shared_inputs(list(models), data, cache)
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     for model in models:
-        w = workloads(False)[model]
-        for nodes, per_node in shapes:
-            topology = NodeTopology(nodes * per_node, per_node)
-            batches = build_task_and_batches(w, topology.world_size, data, cache)
-            vocab = len(batches.task.source_dictionary)
-            plan = ShardPlan(vocab, topology.world_size, DEFAULT_LAYOUT)
-            counts = [inter_node_ids([batches.ids(s, r) for r in range(topology.world_size)], plan, topology)
-                      for s in range(steps)]
-            flat = statistics.fmean(c[0] for c in counts)
-            node = statistics.fmean(c[1] for c in counts)
-            out.setdefault(model, {})[f"{nodes}x{per_node}"] = {
-                "flat_ids_per_step": flat, "node_ids_per_step": node, "node_over_flat": node / flat if flat else None}
+        for tokens in tokens_per_rank:
+            w = workloads(False)[model]
+            if tokens is not None:
+                w = dataclasses.replace(w, tokens_per_rank=int(tokens))
+            for nodes, per_node in shapes:
+                topology = NodeTopology(nodes * per_node, per_node)
+                batches = build_task_and_batches(w, topology.world_size, data, cache)
+                vocab = len(batches.task.source_dictionary)
+                plan = ShardPlan(vocab, topology.world_size, DEFAULT_LAYOUT)
+                counts = [inter_node_ids([batches.ids(s, r) for r in range(topology.world_size)], plan, topology)
+                          for s in range(steps)]
+                flat = statistics.fmean(c[0] for c in counts)
+                node = statistics.fmean(c[1] for c in counts)
+                key = f"{nodes}x{per_node}" + ("" if tokens is None else f" @{tokens}")
+                out.setdefault(model, {})[key] = {
+                    "tokens_per_rank": w.tokens_per_rank, "flat_ids_per_step": flat, "node_ids_per_step": node,
+                    "node_over_flat": node / flat if flat else None}
     return out
 
 
 def table(result: Dict[str, Dict[str, Dict[str, float]]]) -> str:
-    lines = ["| model | nodes x ranks per node | flat: ids across per step | node-aware | node-aware / flat |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | nodes x ranks per node | tokens per rank | flat: ids across per step | node-aware | node-aware / flat |",
+             "|---|---|---|---|---|---|"]
     for model, per in result.items():
         for shape, r in per.items():
             ratio = "-" if r["node_over_flat"] is None else f"{r['node_over_flat']:.2f}"
-            lines.append(f"| {model} | {shape} | {r['flat_ids_per_step']:.0f} | {r['node_ids_per_step']:.0f} | {ratio} |")
+            lines.append(f"| {model} | {shape.split(' @')[0]} | {r.get('tokens_per_rank', '-')} | "
+                         f"{r['flat_ids_per_step']:.0f} | {r['node_ids_per_step']:.0f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -96,11 +105,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--models", default="lm,translation")
     p.add_argument("--shapes", default="2x2,2x4,4x4,2x8", help="comma list of NODESxRANKS_PER_NODE")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tokens-per-rank", default=None,
+                   help="comma list of batch sizes per rank to compare (default: the benchmark's own)")
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = p.parse_args(argv)
     cache = Path(tempfile.gettempdir()) / "embrace_bench_cache"
-    result = measure(a.models.split(","), [_shape(s) for s in a.shapes.split(",")], a.steps, a.data, cache)
+    tokens = [int(t) for t in a.tokens_per_rank.split(",")] if a.tokens_per_rank else [None]
+    result = measure(a.models.split(","), [_shape(s) for s in a.shapes.split(",")], a.steps, a.data, cache, tokens)
     print(table(result))
     if a.json is not None:
         from embrace_fairseq.perf.provenance import source_state
