@@ -284,8 +284,12 @@ class EmbraceEngineHook:
             self.next_forward.begin(self._update_later(basic))
         elif boundary and self.reducer is not None:
             self.reducer.finish()
-            self.check_gradients()
-            self.last_grad_norm = None if self.relaxed is not None else grad_glue.global_grad_norm(e)
+            if self.relaxed is None and not e.fp16_enabled():
+                # the check and the norm from one pass over the gradients, one all-reduce
+                self.last_grad_norm = grad_glue.checked_global_grad_norm(e, self._names)
+            else:
+                self.check_gradients()
+                self.last_grad_norm = None if self.relaxed is not None else grad_glue.global_grad_norm(e)
         if not boundary or shard_opt is None:
             with tracer.phase("step", step=e.global_steps):
                 return step(*args, **kwargs)

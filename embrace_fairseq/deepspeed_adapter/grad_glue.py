@@ -3,13 +3,13 @@ extended by the shards, clipping over all ranks. Each function takes the hook (o
 engine) it works for."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from embrace_fairseq.core.sharded_embedding import is_sharded_param, sharded_embeddings
 from embrace_fairseq.deepspeed_adapter.config import EmbraceConfigError
-from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
+from embrace_fairseq.optim.grad_norm import combine_norms, nonfinite_and_norm, raise_if_nonfinite, sharded_sq_norm
 
 
 def check_engine(engine: Any) -> None:
@@ -70,6 +70,18 @@ def global_grad_norm(engine: Any) -> torch.Tensor:
     sharded = [p.grad.detach() for p in params if is_sharded_param(p)]
     dense_sq = sum((torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2 for g in dense), torch.zeros(()))
     return combine_norms(dense_sq.sqrt(), sharded_sq_norm(sharded))
+
+
+@torch.no_grad()
+def checked_global_grad_norm(engine: Any, names: Dict[int, str]) -> torch.Tensor:
+    """The hook's gradient check and :func:`global_grad_norm` in one pass and one
+    all-reduce: stops every rank on a non-finite gradient anywhere (naming it by
+    ``names``, ids to parameter names), else the norm. Collective."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    bad, norm = nonfinite_and_norm([(names.get(id(p), "?"), p.grad) for p in params],
+                                   [is_sharded_param(p) for p in params])
+    raise_if_nonfinite(bad)
+    return norm
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ decision.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,49 @@ def nonfinite_gradients(
         if not found:  # the same on every rank: all agree to stop here
             return []
     return found
+
+
+def nonfinite_and_norm(
+    named_grads: Iterable[Tuple[str, Optional[torch.Tensor]]], sharded: Sequence[bool],
+    group: Optional["dist.ProcessGroup"] = None,
+) -> Tuple[List[Tuple[str, int]], torch.Tensor]:
+    """:func:`nonfinite_gradients` and the global L2 norm (replicated gradients local, the
+    shards' squares summed over the group, as :func:`combine_norms` of
+    :func:`sharded_sq_norm`) from one norm per gradient and one all-reduce: the flags and
+    the shards' squared norm travel together. ``sharded[i]``: whether gradient ``i`` is
+    a shard. Collective, like :func:`nonfinite_gradients`; the exact round runs only when
+    some rank flags a gradient.
+
+    >>> bad, norm = nonfinite_and_norm([("w", torch.tensor([3.0])), ("rows", torch.tensor([4.0]))], [False, True])
+    >>> bad, float(norm)
+    ([], 5.0)
+    """
+    named = list(named_grads)
+    dist_on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if dist_on else 1
+    rank = dist.get_rank(group) if dist_on else 0
+    device = next((g.device for _, g in named if g is not None), torch.device("cpu"))
+    width = max(1, len(named))
+    buf = torch.zeros(world * width + 1, dtype=torch.float32, device=device)  # flags, then the shards' square
+    dense_sq = torch.zeros((), dtype=torch.float32, device=device)
+    idx = [i for i, (_, g) in enumerate(named) if g is not None]
+    if idx:
+        norms = torch.stack([torch.linalg.vector_norm(named[i][1].detach(), 2, dtype=torch.float32) for i in idx])
+        buf[:-1].view(world, width)[rank, torch.tensor(idx, device=device)] = (~torch.isfinite(norms)).float()
+        is_shard = torch.tensor([bool(sharded[i]) for i in idx], device=device)
+        squares = norms * norms
+        dense_sq = squares[~is_shard].sum()
+        buf[-1] = squares[is_shard].sum()
+    if dist_on and world > 1:
+        collectives.all_reduce(buf, group=group)
+    flags = buf[:-1].view(world, width)
+    found = [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
+    if found:  # a norm overflowed or a gradient is not finite: the exact round decides
+        exact = _flags(named, world, rank, device, exact=True)
+        if dist_on and world > 1:
+            collectives.all_reduce(exact, group=group)
+        found = [(named[i][0], r) for r, i in exact.nonzero().tolist()]
+    return found, combine_norms(dense_sq.sqrt(), buf[-1])
 
 
 def raise_if_nonfinite(bad: List[Tuple[str, int]], what: str = "gradient") -> None:

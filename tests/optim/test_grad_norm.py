@@ -1,5 +1,6 @@
 """grad_norm: the global norm from a replicated part and sharded parts, and the
-non-finite report (one process: the collective parts are covered by tests/guards)."""
+non-finite report, apart and in one pass (one process, and three real ranks for the
+combined one)."""
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from embrace_fairseq.optim.grad_norm import (
     NonFiniteGradientError,
     combine_norms,
+    nonfinite_and_norm,
     nonfinite_gradients,
     raise_if_nonfinite,
     sharded_sq_norm,
@@ -56,3 +58,35 @@ def test_nonfinite_report_is_exact_where_a_norm_overflows():
     assert nonfinite_gradients([("big", huge), ("inf", torch.tensor([1.0, float("-inf")]))]) == [("inf", 0)]
     half = torch.tensor([1.0, float("nan")], dtype=torch.float16)
     assert nonfinite_gradients([("h", half)]) == [("h", 0)]
+
+
+def test_check_and_norm_in_one_pass_single_process():
+    named = [("w", torch.tensor([3.0])), ("rows", torch.tensor([4.0])), ("none", None)]
+    bad, norm = nonfinite_and_norm(named, [False, True, False])
+    assert bad == [] and float(norm) == 5.0 and norm.dtype == torch.float32
+    bad, norm = nonfinite_and_norm([("w", torch.tensor([1.0, float("inf")]))], [False])
+    assert bad == [("w", 0)] and math.isinf(float(norm))
+    huge = torch.full((4,), 3e38)  # every element finite, the norm overflows: not reported, norm inf
+    bad, norm = nonfinite_and_norm([("big", huge)], [True])
+    assert bad == [] and math.isinf(float(norm))
+    assert nonfinite_and_norm([], []) == ([], torch.tensor(0.0))
+
+
+def test_check_and_norm_over_three_ranks():
+    """One all-reduce for both: the same report as nonfinite_gradients and the same norm
+    as combine_norms of sharded_sq_norm on every rank; the norm is that of every rank's
+    shards with one copy of the replicated gradients."""
+    import rank_fns_grad_norm as fns
+    from embrace_fairseq.tools.local_ranks import run_ranks
+
+    results = run_ranks(fns.check_and_norm, 3, timeout_s=120, pg_timeout_s=60)
+    shards = [fns.grads(r, "finite")[0][2][1] for r in range(3)]
+    dense = [g for _, g in fns.grads(0, "finite")[0][:2]]
+    want = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in dense + shards])))
+    for rank, res in enumerate(results):
+        assert res["finite"]["found"] == [] and res["finite"]["norm"] == pytest.approx(want, rel=1e-6)
+        assert res["finite"]["norm"] == pytest.approx(res["finite"]["old_norm"], rel=1e-6)
+        assert res["nan"]["found"] == res["nan"]["old_found"] == [("emb.weight", 2)], (rank, res["nan"])
+        assert math.isnan(res["nan"]["norm"])
+        assert res["overflow"]["found"] == res["overflow"]["old_found"] == [], (rank, res["overflow"])
+        assert math.isinf(res["overflow"]["norm"])
