@@ -112,8 +112,10 @@ def nonfinite_and_norm(
         buf[:-1].view(world, width)[rank, torch.tensor(idx, device=device)] = (~torch.isfinite(norms)).float()
         is_shard = torch.tensor([bool(sharded[i]) for i in idx], device=device)
         squares = norms * norms
-        dense_sq = squares[~is_shard].sum()
-        buf[-1] = squares[is_shard].sum()
+        zero = squares.new_zeros(())
+        # where, not a boolean index: no host synchronisation on a GPU
+        dense_sq = torch.where(is_shard, zero, squares).sum()
+        buf[-1] = torch.where(is_shard, squares, zero).sum()
     if dist_on and world > 1:
         collectives.all_reduce(buf, group=group)
     flags = buf[:-1].view(world, width)
