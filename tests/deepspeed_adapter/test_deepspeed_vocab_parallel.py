@@ -25,11 +25,11 @@ def test_output_key_is_validated():
         parse_embrace_config({"output": "sometimes"})
 
 
-def _train(data, tmp_path, output, port):
+def _train(data, tmp_path, output, port, trace=None):
     from fairseq_corpus import fairseq_env
 
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9, "zero_optimization": {"stage": 0},
-           "embrace": {"output": output}}
+           "embrace": {"output": output, **({"trace": str(trace)} if trace else {})}}
     path = tmp_path / f"ds_{output}.json"
     path.write_text(json.dumps(cfg))
     env = dict(fairseq_env(), EMBRACE_VENV=str(Path(sys.executable).parent.parent), DS_CONFIG=str(path),
@@ -53,8 +53,16 @@ def test_vocab_parallel_same_losses_as_gather(tmp_path):
     data = make_lm_corpus(tmp_path / "corpus", vocab_size=51, n_train=200,
                           extra_preprocess_args=["--padding-factor", "1"])
     gather, _ = _train(data, tmp_path, "gather", free_port())
-    vp, text = _train(data, tmp_path, "vocab-parallel", free_port())
+    vp, text = _train(data, tmp_path, "vocab-parallel", free_port(), trace=tmp_path / "trace" / "vp")
     assert "EmbRace output layer: vocab-parallel (forced" in text, text[-3000:]
+    # the criterion started every loss's token-count gather before the engine's forward
+    # (on the overlapped lane): the engine it is called with wraps the configured model
+    from embrace_fairseq.core.trace import TABLE_TID
+
+    for rank in range(2):
+        events = json.loads((tmp_path / "trace" / f"vp.rank{rank}.json").read_text())["traceEvents"]
+        counts = [e["tid"] for e in events if e.get("name") == "softmax_stats" and e["args"].get("bytes") == 8]
+        assert len(counts) >= 12 and set(counts) == {TABLE_TID}, counts
     assert sorted(gather) == sorted(vp) == list(range(1, 13))
     for u in gather:
         assert vp[u] == pytest.approx(gather[u], rel=1e-4), (u, gather, vp)
