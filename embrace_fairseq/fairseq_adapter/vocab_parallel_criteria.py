@@ -17,8 +17,8 @@ vocab-parallel`` stops at start-up and ``auto`` keeps the full-logits path.
 from __future__ import annotations
 
 import functools
-import weakref
 import logging
+import weakref
 from typing import Any, List
 
 import torch
