@@ -41,20 +41,15 @@ class NonFiniteGradientError(FloatingPointError):
     """Some rank holds an inf/NaN gradient; raised on every rank, naming where."""
 
 
-def _flags(named: List[Tuple[str, Optional[torch.Tensor]]], world: int, rank: int, device: torch.device,
-           exact: bool) -> torch.Tensor:
-    """This rank's row of the ``world x len(named)`` non-finite flags (the other rows 0).
-    ``exact``: ``isfinite`` over every element; else a non-finite float32 norm, one pass
-    per gradient and no host synchronisation (a finite gradient can flag only by
-    overflowing the norm, which the exact round then clears)."""
+def _exact_flags(named: List[Tuple[str, Optional[torch.Tensor]]], world: int, rank: int,
+                 device: torch.device) -> torch.Tensor:
+    """This rank's row of the ``world x len(named)`` non-finite flags (the other rows 0),
+    from ``isfinite`` over every element: the round that decides when a norm flagged."""
     flags = torch.zeros(world, max(1, len(named)), dtype=torch.float32, device=device)
     idx = [i for i, (_, g) in enumerate(named) if g is not None]
     if not idx:
         return flags
-    if exact:
-        bad = [~torch.isfinite(named[i][1]).all() for i in idx]
-    else:
-        bad = [~torch.isfinite(torch.linalg.vector_norm(named[i][1].detach(), 2, dtype=torch.float32)) for i in idx]
+    bad = [~torch.isfinite(named[i][1]).all() for i in idx]
     flags[rank, torch.tensor(idx, device=device)] = torch.stack(bad).to(device=device, dtype=torch.float32)
     return flags
 
@@ -67,20 +62,10 @@ def nonfinite_gradients(
     same names in the same order (a missing gradient counts as finite).
 
     One all-reduce of flags from each gradient's norm (no per-tensor host sync); only
-    when some rank flags one, a second, exact round over every element decides."""
+    when some rank flags one, a second, exact round over every element decides
+    (:func:`nonfinite_and_norm` without shards)."""
     named = list(named_grads)
-    dist_on = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(group) if dist_on else 1
-    rank = dist.get_rank(group) if dist_on else 0
-    device = next((g.device for _, g in named if g is not None), torch.device("cpu"))
-    for exact in (False, True):
-        flags = _flags(named, world, rank, device, exact)
-        if dist_on and world > 1:
-            collectives.all_reduce(flags, group=group)
-        found = [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
-        if not found:  # the same on every rank: all agree to stop here
-            return []
-    return found
+    return nonfinite_and_norm(named, [False] * len(named), group)[0]
 
 
 def nonfinite_and_norm(
@@ -121,7 +106,7 @@ def nonfinite_and_norm(
     flags = buf[:-1].view(world, width)
     found = [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
     if found:  # a norm overflowed or a gradient is not finite: the exact round decides
-        exact = _flags(named, world, rank, device, exact=True)
+        exact = _exact_flags(named, world, rank, device)
         if dist_on and world > 1:
             collectives.all_reduce(exact, group=group)
         found = [(named[i][0], r) for r, i in exact.nonzero().tolist()]

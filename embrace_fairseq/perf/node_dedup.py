@@ -64,10 +64,9 @@ def measure(models: Sequence[str], shapes: Sequence[Tuple[int, int]], steps: int
     prepare_shared_inputs(list(models), data, cache)
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     for model in models:
+        base = workloads(False)[model]
         for tokens in tokens_per_rank:
-            w = workloads(False)[model]
-            if tokens is not None:
-                w = dataclasses.replace(w, tokens_per_rank=int(tokens))
+            w = base if tokens is None else dataclasses.replace(base, tokens_per_rank=int(tokens))
             for nodes, per_node in shapes:
                 topology = NodeTopology(nodes * per_node, per_node)
                 batches = build_task_and_batches(w, topology.world_size, data, cache)
