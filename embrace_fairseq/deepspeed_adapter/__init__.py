@@ -90,9 +90,7 @@ def initialize(
     with shards_kept_out_of_broadcast():
         out = deepspeed.initialize(model=model, config=ds_config, args=args, **kwargs)
     engine = out[0]
+    # attach starts the peer watchdog and checks that every rank has the same schedule and
+    # dense weights before its first collective
     engine.embrace = attach(engine, embrace, shard_groups)
-    from embrace_fairseq.guards.startup_guard import (  # peer watchdog; the same schedule and dense weights on every rank
-        guard,
-    )
-    guard(engine.module, engine.embrace.schedule)
     return out

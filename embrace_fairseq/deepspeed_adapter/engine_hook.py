@@ -50,6 +50,7 @@ from embrace_fairseq.deepspeed_adapter.engine_setup import (  # noqa: F401  (re-
     uses_shard_optimizer,
     without_shards,
 )
+from embrace_fairseq.guards.startup_guard import guard
 from embrace_fairseq.optim.grad_norm import nonfinite_gradients, raise_if_nonfinite
 from embrace_fairseq.optim.shard_optimizer import HyperParams, ShardOptimizer, kind_of
 from embrace_fairseq.schedule.exchange_marks import scope_grad_exchanges, trace_tables
@@ -86,6 +87,10 @@ class EmbraceEngineHook:
         self.zero_stage = int(engine.zero_optimization_stage())
         self.tracer = Tracer(rank=collectives.rank(), enabled=config.trace is not None)
         self.schedule: Schedule = build_schedule(tensor_specs(module), schedule_options(config))
+        # before the hook's first collective: ranks with other "embrace" sections would
+        # otherwise meet in collectives of other sizes (the link rate is measured with a
+        # piece), which gloo answers with an abort and NCCL with a hang
+        guard(module, self.schedule)
         self.tables = sharded_embeddings(module)
         if config.shard_layout is not None:
             for emb in self.tables:  # collective (same tables, same order on every rank); no-op when equal
@@ -387,5 +392,7 @@ class EmbraceEngineHook:
 def attach(engine: Any, config: Optional[EmbraceConfig] = None, shard_groups: Optional[Dict[int, int]] = None) -> EmbraceEngineHook:
     """Hook an existing engine. The engine must have been built inside
     :func:`shards_kept_out_of_broadcast` (``initialize`` does both) and, under ZeRO or
-    relaxed mode, without the table shards in its optimizer."""
+    relaxed mode, without the table shards in its optimizer. Collective: starts the peer
+    watchdog and raises ``ConfigMismatchError`` on every rank when the ranks' schedules or
+    dense weights differ, before any other collective of the hook."""
     return EmbraceEngineHook(engine, config or EmbraceConfig(), shard_groups)
