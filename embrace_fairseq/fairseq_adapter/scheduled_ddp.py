@@ -13,7 +13,7 @@ fairseq's own. What fairseq's trainer asks of the wrapper keeps its meaning:
   ``.grad``, as ``legacy_ddp`` does; clipping and overflow checks then see every
   gradient, as with the stock backends.
 
-The algorithm is in :mod:`embrace_fairseq.schedule` (plan, executor, exchange gate);
+The algorithm is in :mod:`embrace_fairseq.schedule` (plan, executor);
 this module only wires it to fairseq.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core.sharded_embedding import job_topology, sharded_embeddings
 from embrace_fairseq.core.trace import Tracer
 from embrace_fairseq.schedule.exchange_marks import scope_grad_exchanges, trace_tables
-from embrace_fairseq.schedule.executor import ExchangeGate, ScheduledAllReduce
+from embrace_fairseq.schedule.executor import ScheduledAllReduce
 from embrace_fairseq.schedule.model_inputs import dense_parameters, tensor_specs
 from embrace_fairseq.schedule.plan import ScheduleOptions, build_schedule
 
@@ -48,8 +48,8 @@ TRACE_HELP = ("with the 2D schedule: write a Chrome trace per rank, DIR/trace.ra
               "every dense piece and embedding exchange), and log the bytes by kind and the share of communication "
               "hidden behind compute at the end of training")
 SCHEDULE_HELP = ("on: the dense gradients of an EmbRace model are all-reduced during the backward in the 2D "
-                 "schedule's order (input-near layers first, in pieces, held back while an embedding exchange "
-                 "runs), replacing --ddp-backend's reduction; off: fairseq's own data-parallel wrapper")
+                 "schedule's order (input-near layers first, in pieces), replacing --ddp-backend's reduction; "
+                 "off: fairseq's own data-parallel wrapper")
 
 _APPLIED = False
 
@@ -80,7 +80,10 @@ class ScheduledDataParallel(nn.Module):
         # rank): the tables' exchanges of the autograd thread use the default one
         group = collectives.new_group(ranks)
         self.schedule = build_schedule(tensor_specs(module), options)
-        self.gate = ExchangeGate() if options.model_level else None
+        # no exchange gate: fairseq's trainer waits for every gradient before its update (it
+        # takes the gradient norm), so a dense piece held for the embedding exchange would
+        # only idle the link (the gate pays with the DeepSpeed hook's next-forward overlap)
+        self.gate = None
         tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,
                                           active=self._reducing, gate=self.gate, tracer=self.tracer,

@@ -104,6 +104,17 @@ def test_trace_shows_overlap(trace_root):
     assert len(glob.glob(os.path.join(trace_dir, "*.json"))) == 2 * world
 
 
+def test_exchange_gate_only_where_the_next_forward_uses_it():
+    """The gate holds dense pieces for the embedding exchange only with next-forward
+    overlap: where the step waits for every gradient (the default, or the fallback under
+    clipping) it is off; "exchange_gate" true/false overrides."""
+    results = run_ranks(R.gate_choices, 2, timeout_s=240, pg_timeout_s=120)
+    # (gate, next-forward) for: defaults; next_forward; next_forward + clipping;
+    # exchange_gate true; next_forward + exchange_gate false
+    want = [(False, False), (True, True), (False, False), (True, False), (False, True)]
+    assert results == [want, want], results
+
+
 @pytest.mark.parametrize(
     "section, needle",
     [
@@ -117,6 +128,7 @@ def test_trace_shows_overlap(trace_root):
         ({"compute_bytes_per_s": "fast"}, '"embrace.compute_bytes_per_s"'),
         ({"link_bytes_per_s": True}, '"embrace.link_bytes_per_s"'),
         ({"exchange_gate": 1}, '"embrace.exchange_gate"'),
+        ({"exchange_gate": "auto"}, '"embrace.exchange_gate"'),
         ({"next_forward": "yes"}, '"embrace.next_forward"'),
         ([], '"embrace" must be a JSON object'),
     ],

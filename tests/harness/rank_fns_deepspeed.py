@@ -111,7 +111,22 @@ def train(rank, world, *, sharded, tied, steps, gas=1, embrace=None, slow_rank=N
     return {"losses": losses, "state": model.full_state(), "summary": summary,
             "schedule": [(p.bucket, p.index) for p in hook.schedule.issue_order] if hook else None,
             "next_forward": hook is not None and hook.next_forward is not None,
+            "gate": hook is not None and hook.gate is not None,
             "node_aware": hook is not None and any(t.node_aware for t in hook.tables)}
+
+
+def gate_choices(rank, world):
+    """Whether the hook built the exchange gate and next-forward overlap, per "embrace"
+    section and gradient clipping (one step each)."""
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    cases = [({}, 0.0), ({"next_forward": True}, 0.0), ({"next_forward": True}, 0.05),
+             ({"exchange_gate": True}, 0.0), ({"next_forward": True, "exchange_gate": False}, 0.0)]
+    out = []
+    for embrace, clip in cases:
+        res = train(rank, world, sharded=True, tied=False, steps=1, embrace=dict(PIECES, **embrace), clip=clip)
+        out.append((res["gate"], res["next_forward"]))
+    return out
 
 
 def one_step_each(rank, world):
@@ -137,8 +152,8 @@ def equivalence_run(rank, world, steps=10, trace_dir=None, accumulation=False):
     for ml in (True, False):
         for tl in (True, False):
             cfg = dict(PIECES, model_level=ml, tensor_level=tl)
-            if trace_dir and ml and tl:
-                cfg["trace"] = os.path.join(trace_dir, "on")
+            if trace_dir and ml and tl:  # the gate forced on: the trace test checks it holds pieces
+                cfg.update(trace=os.path.join(trace_dir, "on"), exchange_gate=True)
             results[("embrace", False, ml, tl)] = train(rank, world, sharded=True, tied=False, steps=steps, embrace=cfg)
     results[("embrace", True, True, True)] = train(rank, world, sharded=True, tied=True, steps=steps, embrace=dict(PIECES))
     off = dict(PIECES, overlap=False)

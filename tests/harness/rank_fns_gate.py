@@ -64,7 +64,8 @@ def _train(variant: str, trace_prefix: str) -> Dict[str, Any]:
     # one bucket per few tensors and credits for every piece: the static issue list is the
     # readiness order, so only the gate decides when a ready piece goes out
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": 0.5,
-           "embrace": {"bucket_bytes": 4096, "piece_bytes": 1 << 20, "max_in_flight": 64, "trace": trace_prefix}}
+           "embrace": {"bucket_bytes": 4096, "piece_bytes": 1 << 20, "max_in_flight": 64, "trace": trace_prefix,
+                      "exchange_gate": True}}
     engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=cfg)
     hook = engine.embrace
     gate = hook.gate

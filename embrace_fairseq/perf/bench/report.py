@@ -38,8 +38,8 @@ BYTES_GOAL = 1.10
 # at any rank count: the interval of contiguous / strided must reach 1.0 or above
 LAYOUT_PAIR = ("embrace_contiguous", SPEEDUP_SUBJECT)
 #: the schedule's ablation, in the order each adds a part; FIFO overlap is the baseline
-ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_nogate", "embrace_next_forward",
-            "embrace_relaxed")
+ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_nogate", "embrace_gate",
+            "embrace_next_forward", "embrace_relaxed")
 ABLATION_BASE = "embrace_fifo"
 FLOOR = "compute_floor"
 # the node-aware exchange against the flat one (the subject's) on several ranks per node
