@@ -242,6 +242,16 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_next_forward_nogate", label="(e+g) EmbRace, next-forward overlap without the exchange gate",
+    short="EmbRace next-forward no gate", aliases=("next_forward_nogate",),
+    description="(e+) with the exchange gate forced off: dense pieces go out whenever ready, also while an "
+                "embedding gradient exchange the next forward waits for is in flight (the gate's ablation where "
+                "it is on by default; simulator cost: (e)'s)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_next_forward_nogate"), shards_table=True,
+)
+
+register_strategy(
     "embrace_relaxed", label="(e'') EmbRace, 2D schedule + relaxed embedding", short="EmbRace relaxed",
     aliases=("relaxed",),
     description="(e) with the relaxed embedding dependency: the gradient rows the next batch does not read travel "
