@@ -31,11 +31,11 @@ class EmbraceConfig:
         on every rank (agreed before each issue) instead of the static list
         (:mod:`embrace_fairseq.schedule.executor`).
     exchange_gate: with the model level, hold new dense pieces back while an embedding
-        gradient exchange is in flight, so that it goes first. ``None`` (default): on
-        where next-forward overlap applies (the next forward reads the exchanged rows
-        before it needs the dense layers held back), off where the step waits for every
-        gradient anyway (there a held piece only leaves the link idle; 4-8 % slower on the
-        benchmark's models, docs/DEEPSPEED.md). ``true``/``false`` force it.
+        gradient exchange is in flight, so that it goes first. Off by default: where the
+        step waits for every gradient a held piece only idles the link, and with
+        next-forward overlap it was slower too on the benchmark's models
+        (docs/DEEPSPEED.md); for a machine whose link, not its ranks' drift, limits the
+        exchange the next forward waits for.
     tensor_level: cut buckets into pieces of ``piece_bytes`` (off: whole buckets).
     overlap: issue the all-reduces during backward (off: after backward, like stock DeepSpeed).
     piece_bytes: largest collective the tensor level issues.
@@ -92,16 +92,15 @@ class EmbraceConfig:
     output: str = "auto"
     shard_layout: Optional[str] = None
     next_forward: bool = False
-    exchange_gate: Optional[bool] = None
+    exchange_gate: bool = False
     live_queue: bool = False
     exchange: Optional[str] = None
     ranks_per_node: Optional[int] = None
     two_level_allreduce: bool = False
 
 
-_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "live_queue",
+_BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue",
           "two_level_allreduce"}
-_OPTIONAL_BOOLS = {"exchange_gate"}  # null: chosen by the hook
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
 _POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 
@@ -120,8 +119,6 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"unknown key {where}; valid keys are: {', '.join(known)}")
         if key in _BOOLS and not isinstance(value, bool):
             raise EmbraceConfigError(f"{where} must be true or false, got {value!r}")
-        if key in _OPTIONAL_BOOLS and value is not None and not isinstance(value, bool):
-            raise EmbraceConfigError(f"{where} must be null, true or false, got {value!r}")
         if key in _POSITIVE_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise EmbraceConfigError(f"{where} must be a positive integer, got {value!r}")
         if key in _POSITIVE_NUMBERS and value is not None:

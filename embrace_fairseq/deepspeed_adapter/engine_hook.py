@@ -143,31 +143,20 @@ class EmbraceEngineHook:
         """ZeRO stage 0: the scheduled all-reduce replaces DeepSpeed's reduction."""
         # its own group, created and warmed up now (all ranks, same order)
         group = collectives.new_group()
-        self.gate = ExchangeGate() if self._gate_wanted() else None
+        # model level: the embedding exchange goes before any dense piece not yet issued
+        on = self.config.model_level and self.config.overlap and self.config.exchange_gate
+        self.gate = ExchangeGate() if on else None
         self.reducer = ScheduledAllReduce(
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
             active=self._reducing_backward, tracer=self.tracer, gate=self.gate, live_queue=self.config.live_queue,
             topology=job_topology(self.tables), two_level=self.config.two_level_allreduce)
         self.engine.enable_backward_allreduce = False
 
-    def _gate_wanted(self) -> bool:
-        """Model level: the embedding exchange goes before any dense piece not yet issued.
-        It pays only where the next forward can start on the exchanged rows while dense
-        pieces are still on the way (next-forward overlap); where the step waits for every
-        gradient, all of them are needed before it ends and a held piece only idles the
-        link. ``"exchange_gate"`` true/false overrides."""
-        c = self.config
-        if not (c.model_level and c.overlap):
-            return False
-        if c.exchange_gate is not None:
-            return c.exchange_gate
-        return c.next_forward and self._next_forward_blocker() is None
-
     def _next_forward_blocker(self) -> Optional[str]:
         """Why the step must wait for every dense gradient here (None: it need not)."""
         e = self.engine
         basic = e.basic_optimizer if e.basic_optimizer is not None else e.optimizer
-        if self.zero_stage != 0:
+        if self.reducer is None:
             return f"ZeRO stage {self.zero_stage} reduces the dense gradients itself"
         if not self.config.overlap:
             return '"overlap" is off'

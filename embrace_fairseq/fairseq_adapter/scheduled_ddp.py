@@ -82,7 +82,7 @@ class ScheduledDataParallel(nn.Module):
         self.schedule = build_schedule(tensor_specs(module), options)
         # no exchange gate: fairseq's trainer waits for every gradient before its update (it
         # takes the gradient norm), so a dense piece held for the embedding exchange would
-        # only idle the link (the gate pays with the DeepSpeed hook's next-forward overlap)
+        # only idle the link (off by default on the DeepSpeed hook too)
         self.gate = None
         tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,

@@ -177,9 +177,7 @@ register_strategy(
 register_strategy(
     "embrace_schedule", label="(e) EmbRace, 2D schedule", short="EmbRace schedule", aliases=("embrace", "e"),
     description="EmbRace with the 2D schedule: the same traffic on one priority link, the forward exchange first, "
-                "dense pieces during the backward input-near first (held while an embedding gradient exchange runs "
-                "only with next-forward overlap, where the next forward can use it), urgent gradient rows before "
-                "deferred ones",
+                "dense pieces during the backward input-near first, urgent gradient rows before deferred ones",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
     build=LazyRef(_BUILDERS, "build_embrace_schedule"), shards_table=True,
 )
@@ -197,18 +195,17 @@ register_strategy(
 register_strategy(
     "embrace_nogate", label="(e-g) EmbRace, 2D schedule without the exchange gate", short="EmbRace no gate",
     aliases=("nogate",),
-    description="(e) with the exchange gate forced off (\"exchange_gate\": false): dense pieces issued whenever "
-                "ready, also while an embedding gradient exchange is in flight; (e)'s default without next-forward "
-                "overlap (simulator cost: (e)'s)",
+    description="(e) with \"exchange_gate\": false: dense pieces issued whenever ready, also while an embedding "
+                "gradient exchange is in flight (the gate's default now, so the same as (e); simulator cost: (e)'s)",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
     build=LazyRef(_BUILDERS, "build_embrace_nogate"), shards_table=True,
 )
 register_strategy(
     "embrace_gate", label="(e-G) EmbRace, 2D schedule with the exchange gate", short="EmbRace gate",
     aliases=("gate",),
-    description="(e) with the exchange gate forced on (\"exchange_gate\": true): no dense piece is issued while "
-                "an embedding gradient exchange is in flight, although the step waits for every gradient "
-                "(by default the gate is on only with next-forward overlap; simulator cost: (e)'s)",
+    description="(e) with \"exchange_gate\": true: no dense piece is issued while an embedding gradient exchange "
+                "is in flight, although the step waits for every gradient (the gate's ablation; simulator cost: "
+                "(e)'s)",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
     build=LazyRef(_BUILDERS, "build_embrace_gate"), shards_table=True,
 )
@@ -244,9 +241,9 @@ register_strategy(
 register_strategy(
     "embrace_next_forward_nogate", label="(e+g) EmbRace, next-forward overlap without the exchange gate",
     short="EmbRace next-forward no gate", aliases=("next_forward_nogate",),
-    description="(e+) with the exchange gate forced off: dense pieces go out whenever ready, also while an "
-                "embedding gradient exchange the next forward waits for is in flight (the gate's ablation where "
-                "it is on by default; simulator cost: (e)'s)",
+    description="(e+) with \"exchange_gate\": false: dense pieces go out whenever ready, also while an embedding "
+                "gradient exchange the next forward waits for is in flight (the gate's default now, so the same as "
+                "(e+); simulator cost: (e)'s)",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
     build=LazyRef(_BUILDERS, "build_embrace_next_forward_nogate"), shards_table=True,
 )

@@ -104,14 +104,13 @@ def test_trace_shows_overlap(trace_root):
     assert len(glob.glob(os.path.join(trace_dir, "*.json"))) == 2 * world
 
 
-def test_exchange_gate_only_where_the_next_forward_uses_it():
-    """The gate holds dense pieces for the embedding exchange only with next-forward
-    overlap: where the step waits for every gradient (the default, or the fallback under
-    clipping) it is off; "exchange_gate" true/false overrides."""
+def test_exchange_gate_only_when_asked_for():
+    """The gate (dense pieces held while an embedding exchange runs) is off by default,
+    with or without next-forward overlap; "exchange_gate": true turns it on, also where
+    next-forward overlap falls back (clipping)."""
     results = run_ranks(R.gate_choices, 2, timeout_s=240, pg_timeout_s=120)
-    # (gate, next-forward) for: defaults; next_forward; next_forward + clipping;
-    # exchange_gate true; next_forward + exchange_gate false
-    want = [(False, False), (True, True), (False, False), (True, False), (False, True)]
+    # (gate, next-forward) for: defaults; next_forward; exchange_gate; both; both + clipping
+    want = [(False, False), (False, True), (True, False), (True, True), (True, False)]
     assert results == [want, want], results
 
 

@@ -120,8 +120,8 @@ def gate_choices(rank, world):
     section and gradient clipping (one step each)."""
     _ds_env(rank, world)
     torch.set_num_threads(1)
-    cases = [({}, 0.0), ({"next_forward": True}, 0.0), ({"next_forward": True}, 0.05),
-             ({"exchange_gate": True}, 0.0), ({"next_forward": True, "exchange_gate": False}, 0.0)]
+    cases = [({}, 0.0), ({"next_forward": True}, 0.0), ({"exchange_gate": True}, 0.0),
+             ({"next_forward": True, "exchange_gate": True}, 0.0), ({"next_forward": True, "exchange_gate": True}, 0.05)]
     out = []
     for embrace, clip in cases:
         res = train(rank, world, sharded=True, tied=False, steps=1, embrace=dict(PIECES, **embrace), clip=clip)

@@ -127,8 +127,8 @@ def baseline_settings() -> Dict[str, str]:
         "deepspeed_zero1": f"zero_optimization.stage 1, {zero}",
         "deepspeed_zero2": f"zero_optimization.stage 2, {zero}",
         "sparse_allgather": "stage 0, token table nn.Embedding(sparse=True) (DeepSpeed's sparse_gradients path)",
-        "embrace_schedule": "\"embrace\" defaults: 2D schedule (4 MB buckets, 1 MB pieces, input-near first; "
-                            "no exchange gate without next-forward overlap), strided shards, --embrace-output auto",
+        "embrace_schedule": "\"embrace\" defaults: 2D schedule (4 MB buckets, 1 MB pieces, input-near first, "
+                            "no exchange gate), strided shards, --embrace-output auto",
         "embrace_zero1": f"EmbRace defaults; dense layers: zero_optimization.stage 1, {zero}",
         "compute_floor": "stock model, every collective skipped",
     }
