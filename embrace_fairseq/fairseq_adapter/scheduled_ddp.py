@@ -80,17 +80,16 @@ class ScheduledDataParallel(nn.Module):
         # rank): the tables' exchanges of the autograd thread use the default one
         group = collectives.new_group(ranks)
         self.schedule = build_schedule(tensor_specs(module), options)
+        tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
         # no exchange gate: fairseq's trainer waits for every gradient before its update (it
         # takes the gradient norm), so a dense piece held for the embedding exchange would
         # only idle the link (off by default on the DeepSpeed hook too)
-        self.gate = None
-        tables = [emb for emb in sharded_embeddings(module) if emb.is_sharded]
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,
-                                          active=self._reducing, gate=self.gate, tracer=self.tracer,
+                                          active=self._reducing, gate=None, tracer=self.tracer,
                                           trace_backward=True, topology=job_topology(tables),
                                           two_level=two_level)
         trace_tables(tables, self.tracer)
-        scope_grad_exchanges(tables, self.gate, self._reducing)
+        scope_grad_exchanges(tables, None, self._reducing)
         self._closed = False
         if trace is not None:
             atexit.register(self.close)

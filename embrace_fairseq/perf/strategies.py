@@ -239,13 +239,13 @@ register_strategy(
 )
 
 register_strategy(
-    "embrace_next_forward_nogate", label="(e+g) EmbRace, next-forward overlap without the exchange gate",
-    short="EmbRace next-forward no gate", aliases=("next_forward_nogate",),
-    description="(e+) with \"exchange_gate\": false: dense pieces go out whenever ready, also while an embedding "
-                "gradient exchange the next forward waits for is in flight (the gate's default now, so the same as "
-                "(e+); simulator cost: (e)'s)",
+    "embrace_next_forward_gate", label="(e+G) EmbRace, next-forward overlap with the exchange gate",
+    short="EmbRace next-forward gate", aliases=("next_forward_gate",),
+    description="(e+) with \"exchange_gate\": true: no dense piece is issued while an embedding gradient exchange "
+                "the next forward waits for is in flight (the gate's ablation where it is meant to pay; simulator "
+                "cost: (e)'s)",
     volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
-    build=LazyRef(_BUILDERS, "build_embrace_next_forward_nogate"), shards_table=True,
+    build=LazyRef(_BUILDERS, "build_embrace_next_forward_gate"), shards_table=True,
 )
 
 register_strategy(

@@ -321,9 +321,9 @@ def build_embrace_next_forward(name: str, w: W.Workload, task: Any, data, counte
     return _embrace(name, w, task, data, {"next_forward": True}, trace_prefix)
 
 
-def build_embrace_next_forward_nogate(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
-                                      trace_prefix: Optional[str] = None) -> Strategy:
-    return _embrace(name, w, task, data, {"next_forward": True, "exchange_gate": False}, trace_prefix)
+def build_embrace_next_forward_gate(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                                    trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"next_forward": True, "exchange_gate": True}, trace_prefix)
 
 
 def build_embrace_zero1(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
