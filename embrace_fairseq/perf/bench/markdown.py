@@ -217,6 +217,30 @@ def _ablation(result: Dict[str, Any]) -> List[str]:
     return L
 
 
+def attainable_section(limits: Dict[str, Any], conf: float = 95.0) -> List[str]:
+    """The schedule's step goals against what the cores allow (:mod:`.attainable`), one
+    row per run key of ``limits`` (``result["attainable"]``, or several results')."""
+    if not limits:
+        return []
+    L = ["## What the cores allow", "",
+         "CPU bound = the least CPU seconds per step (all ranks, all threads) any ablation variant took for the same "
+         "work, over the cores; efficiency = mean step / own CPU bound. "
+         f"Floor = the compute-only floor's efficiency ({conf:.0f} % interval): how close to its bound a step comes "
+         "with no communication at all. Need = the goal's step target over the CPU bound: below 1 impossible; below "
+         "the floor's lower end, beyond the floor (the cores kept busier than with no communication at all).", "",
+         "| run | cores | CPU bound s | floor | best variant | >= 1.15x over FIFO: target s, need | "
+         "<= 1.15x the floor: target s, need |", "|---|---|---|---|---|---|---|"]
+    for key, lim in limits.items():
+        fe, best = lim["floor_efficiency"], lim["best_efficiency"]
+        goals = [f"{g['target_s']:.3f}, {g['need']:.2f}: {g['verdict']}"
+                 for g in (lim["goals"]["over_fifo"], lim["goals"]["over_floor"])]
+        L.append(f"| {key} | {lim['cores']} | {lim['bound_s']:.3f} ({get_strategy(lim['bound_from']).short}) | "
+                 f"{fe['ratio']:.2f}{_interval(fe)} | {best['ratio']:.2f} ({get_strategy(best['strategy']).short}) | "
+                 f"{goals[0]} | {goals[1]} |")
+    L.append("")
+    return L
+
+
 def _nodes(result: Dict[str, Any]) -> List[str]:
     """Several ranks per node: what crosses between nodes, per strategy, and the node-aware
     exchange against the flat one."""
@@ -326,7 +350,7 @@ def _strategies(result: Dict[str, Any]) -> List[str]:
 
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
     L = _setup(result["meta"]) + _strategies(result) + _profiles(result) + _run_tables(result) + _layouts(result)
-    L += _ablation(result)
+    L += _ablation(result) + attainable_section(result.get("attainable") or {}, 100 * result.get("confidence", 0.95))
     L += _nodes(result) + _goal(result) + simulator_section(result)
     L.append(f"Ratios are (other strategy's step) / ((e)'s step), each the {_of(result)}. 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "

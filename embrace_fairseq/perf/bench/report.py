@@ -15,18 +15,20 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from embrace_fairseq.perf.bench.attainable import OVER_FIFO, cores_of, machine_limits
 from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
 from embrace_fairseq.perf.bench.workloads import tied_tables
-from embrace_fairseq.perf.bench.stats import CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval
+from embrace_fairseq.perf.bench.stats import (CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval,
+                                               ratio_statistic)
 from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model; judged on the
 # lower end of the ratio's interval where one was computed
 _STOCK = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather")
 # the 2D schedule against plain (FIFO) overlap with the backward, on the LM and translation
-SCHEDULE_OVER_FIFO = {"embrace_fifo": 1.15}
+SCHEDULE_OVER_FIFO = {"embrace_fifo": OVER_FIFO}
 GOALS = {
     "lm": {"fairseq_legacy_ddp": 2.0, "fairseq_c10d": 2.0, "deepspeed": 2.0, "sparse_allgather": 1.2,
            **SCHEDULE_OVER_FIFO},
@@ -131,6 +133,8 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
     per node, every rank of a node read the node's NIC: its wire bytes are the node's."""
     n_steps = len(per_rank[0]["step_s"])
     step_s = [max(pr["step_s"][i] for pr in per_rank) for i in range(n_steps)]
+    cpu_s = ([sum(pr["cpu_s"][i] for pr in per_rank) for i in range(n_steps)]
+             if n_steps and all("cpu_s" in pr for pr in per_rank) else None)
     tokens = sum(pr["tokens"] for pr in per_rank)
     kinds = sorted({k for pr in per_rank for k in pr["bytes_by_kind"]})
     by_kind = {k: statistics.fmean(pr["bytes_by_kind"].get(k, 0.0) for pr in per_rank) for k in kinds}
@@ -150,8 +154,8 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
         "tokens_per_s": tokens / sum(step_s),
         # CPU time the ranks' processes used per step, all their threads, summed over ranks:
         # on ranks that share cores, work that any rank adds slows every rank's step
-        "cpu_s_per_step": (statistics.fmean(sum(pr["cpu_s"][i] for pr in per_rank) for i in range(n_steps))
-                           if n_steps and all("cpu_s" in pr for pr in per_rank) else None),
+        "cpu_s_per_step": (statistics.fmean(cpu_s) if cpu_s else None),
+        "cpu_s": cpu_s,
         "bytes_per_rank_per_step": by_kind, "bytes_total_per_rank_per_step": total,
         "collective_bytes_by_op": {k: statistics.fmean(pr["counted_bytes_by_op"].get(k, 0.0)
                                                        for pr in per_rank) for k in counted},
@@ -236,6 +240,20 @@ def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, An
                          "hidden_share": r.get("hidden_share"),
                          "over_floor": r["median_step_s"] / floor["median_step_s"] if floor else None})
         out[key] = rows
+    return out
+
+
+def attainable_check(runs: List[Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Any]:
+    """Per run key where FIFO overlap and the floor ran with CPU times: the schedule's step
+    goals against what the ranks' cores allow (:mod:`.attainable`), the ablation's
+    variants taken as the same work."""
+    by = _by_key(runs)
+    out: Dict[str, Any] = {}
+    for key in sorted({k for k, s in by if s == ABLATION_BASE}):
+        per = {s: r for (k, s), r in by.items() if k == key}
+        lim = machine_limits(per, cores_of(meta), ABLATION, ABLATION_BASE, FLOOR, ratio_statistic(meta))
+        if lim is not None:
+            out[key] = lim
     return out
 
 
@@ -338,6 +356,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
               "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
+              "attainable": attainable_check(runs, meta),
               "nodes": node_exchange_check(runs), "two_level": two_level_check(runs),
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
