@@ -249,6 +249,16 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_next_forward_whole", label="(e+W) EmbRace, next-forward overlap with whole buckets",
+    short="EmbRace next-forward whole", aliases=("next_forward_whole",),
+    description="(e+) with \"tensor_level\": false: whole buckets in the model level's order, not 1 MB pieces "
+                "(the tensor level's ablation under next-forward overlap: fewer, larger collectives; simulator "
+                "cost: (e)'s)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_next_forward_whole"), shards_table=True,
+)
+
+register_strategy(
     "embrace_relaxed", label="(e'') EmbRace, 2D schedule + relaxed embedding", short="EmbRace relaxed",
     aliases=("relaxed",),
     description="(e) with the relaxed embedding dependency: the gradient rows the next batch does not read travel "

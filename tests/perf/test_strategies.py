@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
          "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1", "embrace_nogate", "embrace_gate",
          "embrace_node",
-         "embrace_two_level", "embrace_next_forward", "embrace_next_forward_gate", "embrace_relaxed",
-         "embrace_contiguous", "compute_floor")
+         "embrace_two_level", "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole",
+         "embrace_relaxed", "embrace_contiguous", "compute_floor")
 FLOOR = "compute_floor"  # no communication: no bytes, step = compute
 # reduce-scatter the gradients, all-gather the parameters (EmbRace on ZeRO-1: the dense ones)
 ZERO = ("deepspeed_zero1", "deepspeed_zero2", "embrace_zero1")
@@ -34,7 +34,8 @@ def test_the_strategies_in_order():
     assert S.sharded_strategies() == ["embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1",
                                       "embrace_nogate", "embrace_gate",
                                       "embrace_node", "embrace_two_level", "embrace_next_forward",
-                                      "embrace_next_forward_gate", "embrace_relaxed", "embrace_contiguous"]
+                                      "embrace_next_forward_gate", "embrace_next_forward_whole", "embrace_relaxed",
+                                      "embrace_contiguous"]
     assert S.SPEEDUP_SUBJECT in NAMES and S.REFERENCE in NAMES
 
 

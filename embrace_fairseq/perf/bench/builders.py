@@ -326,6 +326,11 @@ def build_embrace_next_forward_gate(name: str, w: W.Workload, task: Any, data, c
     return _embrace(name, w, task, data, {"next_forward": True, "exchange_gate": True}, trace_prefix)
 
 
+def build_embrace_next_forward_whole(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                                     trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"next_forward": True, "tensor_level": False}, trace_prefix)
+
+
 def build_embrace_zero1(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                         trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, True, trace_prefix, zero_stage=1)

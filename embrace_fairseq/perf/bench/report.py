@@ -41,7 +41,7 @@ BYTES_GOAL = 1.10
 LAYOUT_PAIR = ("embrace_contiguous", SPEEDUP_SUBJECT)
 #: the schedule's ablation, in the order each adds a part; FIFO overlap is the baseline
 ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_nogate", "embrace_gate",
-            "embrace_next_forward", "embrace_next_forward_gate", "embrace_relaxed")
+            "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole", "embrace_relaxed")
 ABLATION_BASE = "embrace_fifo"
 FLOOR = "compute_floor"
 # the node-aware exchange against the flat one (the subject's) on several ranks per node
