@@ -28,6 +28,18 @@ def test_bound_is_the_least_cpu_of_the_same_work_and_needs_follow_from_it():
     assert over_fifo["need"] == pytest.approx(1.2 / 1.15 / 0.8) and over_fifo["verdict"] == ROOM
     assert over_floor["target_s"] == pytest.approx(0.8 * 1.15)
     assert over_floor["need"] == pytest.approx(0.92 / 0.8) and over_floor["verdict"] == ROOM
+    # steps without noise: the interval has no reach below its point, so as judged = the point goal
+    assert lim["reach"] == 0.0 and lim["goals"]["over_fifo_as_judged"]["need"] == pytest.approx(over_fifo["need"])
+
+
+def test_as_judged_the_point_ratio_must_clear_the_goal_by_the_intervals_reach():
+    noisy = [1.0, 1.4, 1.0, 1.4, 1.2, 1.2, 1.0, 1.4]  # mean 1.2
+    runs = {"fifo": {"step_s": noisy, "cpu_s": [2.0] * 8}, "sched": _run(1.0, 1.6), "floor": _run(0.8, 1.5)}
+    lim = machine_limits(runs, cores=2, same_work=("fifo", "sched"), base="fifo", floor="floor")
+    assert 0.0 < lim["reach"] < 0.2  # FIFO / sched = 1.2, its interval's lower end below it
+    judged = lim["goals"]["over_fifo_as_judged"]
+    assert judged["target_s"] == pytest.approx(1.2 / (1.15 + lim["reach"]))
+    assert judged["need"] < lim["goals"]["over_fifo"]["need"]
 
 
 def test_a_target_under_the_cpu_work_is_impossible_and_one_under_the_floor_beyond_it():

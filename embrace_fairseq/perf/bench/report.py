@@ -428,7 +428,8 @@ def write_outputs(result: Dict[str, Any], out: Path) -> List[Path]:
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m embrace_fairseq.perf.bench.report DIR...``: write each folder's plots and
     ``report.md`` again from its ``bench.json`` (the measured figures are not touched; a
-    report written later says so, with the commit that wrote it)."""
+    report written later says so, with the commit that wrote it; what the cores allow is
+    derived again from the runs)."""
     import argparse
 
     from embrace_fairseq.perf.provenance import source_state
@@ -438,6 +439,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for d in ap.parse_args(argv).dirs:
         result = json.loads((d / "bench.json").read_text())
         result["meta"]["report_written_by"] = source_state()
+        # derived from the runs, not measured: computed again by the code writing the report
+        result["attainable"] = attainable_check(result["runs"], result["meta"])
         paths = write_outputs(result, d)
         print(f"rewrote {', '.join(str(p) for p in paths)}")
     return 0
