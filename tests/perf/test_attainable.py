@@ -1,4 +1,6 @@
 """The schedule's step goals against the cores: hand-made runs, figures checked by hand."""
+import json
+
 import pytest
 
 from embrace_fairseq.perf.bench.attainable import BEYOND_FLOOR, IMPOSSIBLE, ROOM, cores_of, machine_limits, verdict
@@ -76,3 +78,21 @@ def test_report_checks_every_run_key_with_fifo_and_the_floor():
     out = attainable_check(runs, {"machine": {"cpus": 2}, "ratio_statistic": "mean"})
     assert list(out) == ["lm/w4/1gbit_0.1ms"]
     assert out["lm/w4/1gbit_0.1ms"]["bound_s"] == pytest.approx(0.75)
+
+
+def test_table_over_several_folders_names_each_run_and_its_commit(tmp_path):
+    from embrace_fairseq.perf.bench.attainable_table import main
+
+    def rec(strategy, step, cpu):
+        return {"model": "lm", "world_size": 4, "link_gbit": 1.0, "latency_ms": 0.1, "strategy": strategy,
+                **_run(step, cpu)}
+    for name, commit in (("a", "1234567abc"), ("b", "89abcdef01")):
+        (tmp_path / name).mkdir()
+        meta = {"machine": {"cpus": 2}, "ratio_statistic": "mean", "source": {"commit": commit}}
+        runs = [rec(ABLATION_BASE, 1.0, 1.6), rec(FLOOR, 0.7, 1.3)]
+        (tmp_path / name / "bench.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+    out = tmp_path / "table.md"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "(commit 1234567)" in text and "(commit 89abcde)" in text
+    assert "| a: lm/w4/1gbit_0.1ms | 2 | 0.800 (EmbRace FIFO) |" in text and "| b: lm/w4/1gbit_0.1ms |" in text
