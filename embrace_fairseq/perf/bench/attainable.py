@@ -57,14 +57,18 @@ def _cpu_steps(run: Mapping[str, Any]) -> Optional[Sequence[float]]:
     return None
 
 
+def _bound_steps(run: Mapping[str, Any], cores: int) -> Sequence[float]:
+    """Each timed step's CPU bound: its CPU seconds over the cores."""
+    return [c / cores for c in _cpu_steps(run)]
+
+
 def efficiency(run: Mapping[str, Any], cores: int, statistic: str = RATIO_STATISTIC) -> Optional[Dict[str, float]]:
     """A run's step over its CPU bound (CPU seconds per step / ``cores``; ``statistic``
     of each over the timed steps), with the paired-bootstrap interval over its steps;
     None without CPU times."""
-    cpu = _cpu_steps(run)
-    if cpu is None:
+    if _cpu_steps(run) is None:
         return None
-    return paired_ratio_interval(run["step_s"], [c / cores for c in cpu], statistic=statistic)
+    return paired_ratio_interval(run["step_s"], _bound_steps(run, cores), statistic=statistic)
 
 
 def verdict(need: float, floor_low: float) -> str:
@@ -96,13 +100,13 @@ def machine_limits(runs: Mapping[str, Mapping[str, Any]], cores: int, same_work:
     cpu = {s: summary(_cpu_steps(r)) for s, r in work.items()}
     least = min(cpu, key=cpu.get)
     bound = cpu[least] / cores  # the least CPU the same work took in this run
-    effs = {s: ratio_of(r["step_s"], [c / cores for c in _cpu_steps(r)], statistic) for s, r in work.items()}
+    effs = {s: ratio_of(r["step_s"], _bound_steps(r, cores), statistic) for s, r in work.items()}
     best = min(effs, key=effs.get)
     # the report judges the speed-up on its interval's lower end: with these steps' noise the
     # point ratio must clear 1.15 by the interval's reach below it (the narrowest of the run)
-    reach = min((iv["ratio"] - iv["low"] for iv in (paired_ratio_interval(runs[base]["step_s"], r["step_s"],
-                                                                          statistic=statistic)
-                                                     for s, r in work.items() if s != base)), default=0.0)
+    intervals = [paired_ratio_interval(runs[base]["step_s"], r["step_s"], statistic=statistic)
+                 for s, r in work.items() if s != base]
+    reach = min((iv["ratio"] - iv["low"] for iv in intervals), default=0.0)
     targets = {"over_fifo": summary(runs[base]["step_s"]) / OVER_FIFO,
                "over_fifo_as_judged": summary(runs[base]["step_s"]) / (OVER_FIFO + reach),
                "over_floor": summary(runs[floor]["step_s"]) * OVER_FLOOR}

@@ -235,9 +235,8 @@ def attainable_section(limits: Dict[str, Any], conf: float = 95.0) -> List[str]:
          "|---|---|---|---|---|---|---|---|"]
     for key, lim in limits.items():
         fe, best = lim["floor_efficiency"], lim["best_efficiency"]
-        goals = ["-" if g is None else f"{g['target_s']:.3f}, {g['need']:.2f}: {g['verdict']}"
-                 for g in (lim["goals"]["over_fifo"], lim["goals"].get("over_fifo_as_judged"),
-                           lim["goals"]["over_floor"])]
+        goals = [f"{g['target_s']:.3f}, {g['need']:.2f}: {g['verdict']}"
+                 for g in (lim["goals"][k] for k in ("over_fifo", "over_fifo_as_judged", "over_floor"))]
         L.append(f"| {key} | {lim['cores']} | {lim['bound_s']:.3f} ({get_strategy(lim['bound_from']).short}) | "
                  f"{fe['ratio']:.2f}{_interval(fe)} | {best['ratio']:.2f} ({get_strategy(best['strategy']).short}) | "
                  + " | ".join(goals) + " |")
