@@ -11,9 +11,12 @@
 // Bit-exactness with the PyTorch reference is part of the contract. The reference
 // sum is torch's CPU index_add_ along dim 0: per destination row, sources are added
 // in ascending source position into an accumulator of at::opmath_type (float for
-// half/bfloat16, the type itself otherwise) that starts at zero, and rounded to the
-// row dtype once; mul_(scale) then multiplies by float(scale) in opmath and rounds
-// again. scatter_add_rows follows the same order and the same roundings.
+// half/bfloat16, the type itself otherwise) that starts at zero. float/double rows:
+// rounded to the row dtype once, then mul_(scale) multiplies and rounds again.
+// half/bfloat16 rows: the fp32 sum is multiplied by float(scale) and rounded to the
+// row dtype once (the reference sums into an fp32 buffer, scales it, then casts), so
+// that a sum over ranks beyond the half range whose average is not stays finite.
+// scatter_add_rows follows the same order and the same roundings.
 //
 // The CUDA versions live in embrace_native_cuda.cu and are compiled only when the
 // extension is built with nvcc against a CUDA torch (EMBRACE_WITH_CUDA).
@@ -44,13 +47,6 @@ namespace embrace {
 using at::Tensor;
 
 namespace {
-
-// Dense dedup (mark + prefix rank over [lo, hi]) costs O(n + range); sort dedup costs
-// O(n log n). The dense table is used when the id range is not much larger than the
-// batch, and never above kDenseMaxRange slots (4 bytes each).
-constexpr int64_t kDenseFactor = 16;
-constexpr int64_t kDenseSlack = 1 << 16;
-constexpr int64_t kDenseMaxRange = int64_t{1} << 26;
 
 // Per-thread scratch that only grows: fresh multi-hundred-KB buffers on every call
 // would go to mmap and pay page faults each time (measured: 10x slower on a busy VM).
@@ -121,7 +117,7 @@ DedupResult dedup_bucket(const Tensor& ids_in, const std::vector<int64_t>& bound
   TORCH_CHECK(!at::isFloatingType(ids_in.scalar_type()) && ids_in.scalar_type() != at::kBool,
               "dedup_bucket: ids must be an integer tensor, got ", ids_in.scalar_type());
 #ifdef EMBRACE_WITH_CUDA
-  if (ids_in.is_cuda()) return dedup_bucket_cuda(ids_in, boundaries);
+  if (ids_in.is_cuda()) return dedup_bucket_cuda(ids_in, boundaries, method);
 #endif
   TORCH_CHECK(ids_in.device().is_cpu(), "dedup_bucket: this build handles CPU tensors only, got ",
               ids_in.device());
@@ -150,10 +146,7 @@ DedupResult dedup_bucket(const Tensor& ids_in, const std::vector<int64_t>& bound
       return;
     }
     const int64_t range = hi - lo + 1;
-    bool dense = range <= std::min(kDenseFactor * n + kDenseSlack, kDenseMaxRange);
-    if (method == 1) dense = range <= kDenseMaxRange;
-    if (method == 2) dense = false;
-    if (dense) {
+    if (use_dense_dedup(range, n, method)) {
       uniq.reserve(static_cast<size_t>(std::min(n, range)));
       dedup_dense(p, n, lo, range, inverse.data_ptr<int64_t>(), uniq);
     } else {
@@ -281,7 +274,9 @@ void scatter_add_cpu(const scalar_t* src, const index_t* ix, int64_t n, int64_t 
           for (int64_t c = 0; c < dim; ++c) o[c] = static_cast<scalar_t>(acc[c] * s);
         }
       } else if (scaled) {
-        for (int64_t c = 0; c < dim; ++c) o[c] = static_cast<scalar_t>(static_cast<acc_t>(static_cast<scalar_t>(acc[c])) * s);
+        // scaled in fp32 before the one rounding to half: a sum over ranks that exceeds
+        // the half range but whose 1/N average does not stays finite (DDP divides first)
+        for (int64_t c = 0; c < dim; ++c) o[c] = static_cast<scalar_t>(acc[c] * s);
       } else {
         for (int64_t c = 0; c < dim; ++c) o[c] = static_cast<scalar_t>(acc[c]);
       }

@@ -285,3 +285,79 @@ def test_sharded_embedding_native_equals_reference_on_2_and_3_ranks():
     for rank, per_case in enumerate(per_rank):
         for case, r in per_case.items():
             assert r == {"forward_identical": True, "grad_identical": True, "grad_nonzero": True}, (rank, case, r)
+
+
+# ----------------------------------------------------------------- GPU twins (issue: CUDA kernels)
+def dense_edges_twin(ids: torch.Tensor, boundaries) -> list:
+    """The CUDA dense path's count formula in PyTorch (mark, inclusive prefix sum, one edge
+    per boundary: ``edges_kernel``), for every boundary of any world size."""
+    lo, hi = int(ids.min()), int(ids.max())
+    slot = torch.zeros(hi - lo + 1, dtype=torch.int32)
+    slot[ids - lo] = 1
+    pos = torch.cumsum(slot, 0)
+    edges = []
+    for b in boundaries:
+        off = b - lo
+        edges.append(0 if off <= 0 else int(pos[-1] if off >= pos.numel() else pos[off - 1]))
+    return [edges[r + 1] - edges[r] for r in range(len(boundaries) - 1)]
+
+
+@needs_native
+@pytest.mark.parametrize("world", [1024, 1025, 2048, 3001])
+def test_dedup_counts_at_world_1024_and_beyond(world):
+    """Counts per owner for 1024+ owners (one CUDA block held at most 1024 edges): the
+    native CPU op under each method, and the CUDA dense formula's twin, against the reference."""
+    vocab = 7 * world + 5  # uneven shards
+    gen = torch.Generator().manual_seed(world)
+    bounds = ShardPlan(vocab, world).boundaries
+    ids = torch.cat([torch.randint(0, vocab, (3000,), generator=gen), torch.tensor([0, vocab - 1])])
+    ref = N.dedup_bucket_reference(ids, bounds)
+    assert len(ref.send_counts) == world and sum(ref.send_counts) == ref.unique_ids.numel()
+    assert ref.send_counts[-1] > 0 and ref.send_counts[0] > 0  # owners past 1024 hold ids
+    for method in (0, 1, 2):
+        nat = N.dedup_bucket_native(ids, bounds, method)
+        assert nat.send_counts == ref.send_counts, method
+        assert same_bits(nat.unique_ids, ref.unique_ids) and same_bits(nat.inverse, ref.inverse), method
+    assert dense_edges_twin(ids, bounds) == ref.send_counts
+
+
+@needs_native
+def test_sparse_ids_of_a_large_vocabulary_take_the_sort_path():
+    """Two ids 2^30 apart: the dense table would need 2^30 flags. Auto and sort dedup
+    them; a forced dense table beyond its bound is refused for the sort too (same result)."""
+    vocab = 2**31 - 2
+    bounds = ShardPlan(vocab, 4).boundaries
+    ids = torch.tensor([5, 2**30 + 7, 5, vocab - 1])
+    ref = N.dedup_bucket_reference(ids, bounds)
+    for method in (0, 1, 2):
+        nat = N.dedup_bucket_native(ids, bounds, method)
+        assert same_bits(nat.unique_ids, ref.unique_ids) and nat.send_counts == ref.send_counts
+
+
+@needs_native
+def test_bad_row_index_raises_the_package_error():
+    """gather/scatter: a bad index raises RowIndexError (an InvalidIdError and an
+    IndexError) with the op's message, which the CUDA kernels repeat."""
+    from embrace_fairseq import InvalidIdError
+
+    table = torch.randn(5, 3)
+    with pytest.raises(N.RowIndexError, match=r"^gather_rows: index 7 out of range for a table of 5 rows$") as e:
+        N.gather_rows_native(table, torch.tensor([0, 7]))
+    assert isinstance(e.value, InvalidIdError) and isinstance(e.value, IndexError)
+    with pytest.raises(N.RowIndexError, match=r"^gather_rows: index -1 out of range for a table of 5 rows$"):
+        N.gather_rows_native(torch.zeros(5, 0), torch.tensor([-1]))
+    with pytest.raises(N.RowIndexError, match=r"^scatter_add_rows: index 4 out of range for 4 rows$"):
+        N.scatter_add_rows_native(torch.randn(3, 2), torch.tensor([0, 4, 1]), 4)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_rows_are_scaled_before_rounding(dtype):
+    """An owner sums 4 ranks' rows of 40000 (fp16 max 65504) with scale 1/4: the average
+    40000 is representable, the sum is not. Native and reference alike."""
+    src = torch.full((4, 3), 40000.0).to(dtype)
+    index = torch.zeros(4, dtype=torch.long)
+    want = torch.full((2, 3), 40000.0).to(dtype)
+    want[1] = 0
+    for got in (N.scatter_add_rows_reference(src, index, 2, 0.25), N.scatter_add_rows_native(src, index, 2, 0.25)):
+        assert torch.isfinite(got.float()).all() and same_bits(got, want)

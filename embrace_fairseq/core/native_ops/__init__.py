@@ -23,8 +23,15 @@ keeps CUDA tensors on the reference path: the CUDA kernels have not been measure
 Summation order of ``scatter_add_rows`` (what makes bit-exactness possible): it is
 the one of torch's CPU ``index_add_`` along dim 0 -- per destination row, sources in
 ascending position added into an accumulator of ``at::opmath_type`` (float for
-half/bfloat16) that starts at zero, rounded to the row dtype once; ``mul_(scale)``
-then rounds once more. The native op (CPU and CUDA) follows that order. torch's
+half/bfloat16) that starts at zero. float rows are rounded once and ``mul_(scale)``
+rounds once more; half/bfloat16 rows are scaled in fp32 and rounded once, so that an
+owner's sum of N ranks' rows that would overflow half precision but whose ``1/N``
+average does not stays finite (stock DDP divides before it sums). The native op (CPU
+and CUDA) follows that order.
+
+A row index outside the table raises :class:`RowIndexError` on the host, on CPU and
+CUDA alike, with the same message; the CUDA kernels record a bad index in a flag
+instead of a device assert, so the CUDA context stays usable. torch's
 CUDA ``index_add_`` uses atomics and has no fixed order, so on GPUs the native op is
 the deterministic one and the CPU reference defines the expected bits.
 """
@@ -39,10 +46,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from embrace_fairseq.core.ids import validate_ids
+from embrace_fairseq.core.ids import InvalidIdError, validate_ids
 
 #: Must equal ``kApiVersion`` in csrc/embrace_native.h.
-API_VERSION = 1
+API_VERSION = 2
 
 #: The switchable call sites: an op and what it is used for (the same op can win in
 #: one use and lose in another, so ``auto`` decides per use).
@@ -81,6 +88,17 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 class NativeOpsUnavailable(RuntimeError):
     """``EMBRACE_NATIVE=1`` but the extension is missing, stale or lacks the device."""
+
+
+class RowIndexError(InvalidIdError, IndexError):
+    """A row index outside the table reached a native op (CPU or CUDA). The package's
+    :class:`~embrace_fairseq.core.ids.InvalidIdError`, and an ``IndexError`` as torch's
+    ``index_select`` raises for the same input."""
+
+
+def _row_index_error(exc: IndexError) -> RowIndexError:
+    # the op's own message (its first line: torch may append a C++ stack trace)
+    return RowIndexError(str(exc).strip().splitlines()[0] if str(exc).strip() else "row index out of range")
 
 
 def source_hash(root: Path = _REPO_ROOT) -> Optional[str]:
@@ -192,7 +210,9 @@ def dedup_bucket_reference(flat_ids: torch.Tensor, boundaries: Sequence[int]) ->
 
 
 def dedup_bucket_native(flat_ids: torch.Tensor, boundaries: Sequence[int], method: int = 0) -> Bucketed:
-    """One native call; ``method`` 1/2 force the dense/sort algorithm (for tests)."""
+    """One native call; ``method`` 1/2 force the dense/sort algorithm (for tests; CPU
+    and CUDA alike). Two host syncs on CUDA: the id range (validation, the algorithm's
+    choice) and the per-owner counts (AlltoAll split sizes are host integers)."""
     unique_ids, inverse, counts, has_bad, bad_id = _require().dedup_bucket(flat_ids, list(boundaries), method)
     if has_bad:
         return Bucketed(None, None, None, int(bad_id))
@@ -213,7 +233,10 @@ def gather_rows_reference(table: torch.Tensor, index: torch.Tensor) -> torch.Ten
 
 
 def gather_rows_native(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return _require().gather_rows(table, index)
+    try:
+        return _require().gather_rows(table, index)
+    except IndexError as exc:
+        raise _row_index_error(exc) from None
 
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor, use: str = "owner") -> torch.Tensor:
@@ -234,15 +257,19 @@ def scatter_add_rows_reference(
 ) -> torch.Tensor:
     if src.dtype in LOW_PRECISION:
         # half-precision rows are summed in fp32 and rounded once, on every device (CUDA's
-        # index_add_ would accumulate in half with atomics; stock embeddings sum in fp32)
+        # index_add_ would accumulate in half with atomics; stock embeddings sum in fp32),
+        # and scaled before that rounding: an owner sums N ranks' rows, and their sum may
+        # exceed the half range where the 1/N average (what DDP leaves) does not
         acc = torch.zeros(num_rows, src.shape[1], dtype=torch.float32, device=src.device)
         acc.index_add_(0, index, src.float())
+        if scale != 1.0:
+            acc.mul_(scale)
         out = acc.to(src.dtype)
     else:
         out = src.new_zeros(num_rows, src.shape[1])
         out.index_add_(0, index, src)
-    if scale != 1.0:
-        out.mul_(scale)
+        if scale != 1.0:
+            out.mul_(scale)
     if zero_row is not None:
         out[zero_row].zero_()
     return out
@@ -251,7 +278,10 @@ def scatter_add_rows_reference(
 def scatter_add_rows_native(
     src: torch.Tensor, index: torch.Tensor, num_rows: int, scale: float = 1.0, zero_row: Optional[int] = None
 ) -> torch.Tensor:
-    return _require().scatter_add_rows(src, index, num_rows, float(scale), -1 if zero_row is None else int(zero_row))
+    try:
+        return _require().scatter_add_rows(src, index, num_rows, float(scale), -1 if zero_row is None else int(zero_row))
+    except IndexError as exc:
+        raise _row_index_error(exc) from None
 
 
 def scatter_add_rows(
