@@ -96,6 +96,12 @@ class VocabParallelOutput:
             return flat.view(*features.shape[:-1], weight.shape[0])
         return F.linear(features, weight)
 
+    def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, weight)`` whose product is this rank's logits for the vocab-parallel
+        loss: the table's own shard; a layer with more than ``features @ W^T`` (a bias)
+        widens both."""
+        return hidden, self.output_table().weight
+
     def project(self, features: torch.Tensor):
         if self.takes_marker:
             return VocabParallelLogits(features, self)
@@ -170,8 +176,9 @@ class VocabParallelLogits:
             rows=table_rows(table), vocab_size=table.num_embeddings, group=table.group,
             grad_scale=table.grad_scale, ledgers=tuple(ledgers_for(table.ledger)),
         )
+        hidden, weight = self.layer.shard_operands(hidden)
         self.result = vocab_parallel_loss(
-            hidden, table.weight, target, spec, smoothing=smoothing, accuracy=accuracy, counts=counts
+            hidden, weight, target, spec, smoothing=smoothing, accuracy=accuracy, counts=counts
         )
         return self.result
 

@@ -11,9 +11,21 @@ table. Two ways to do that with a row-sharded table (docs/DESIGN.md):
   that takes it (:mod:`.vocab_parallel`, :mod:`.sharded_output`): once enabled,
   :class:`TiedShardedProjection` returns a marker in training and the loss picks the
   path per step.
+
+:class:`BiasedTiedProjection` adds a ``V``-sized bias (RoBERTa's LM head). The bias
+stays replicated, a dense parameter all-reduced with the others: ``V`` floats a step,
+``1/D`` of the table, against a second sharded table's bookkeeping (its own exchange,
+optimizer state and checkpoint key) for no measurable saving. On the vocab-parallel path
+each rank adds its own rows' bias to its own logits (one more column of the shard and
+of the hidden states), so the bias gradient it computes is the sum over every rank's
+tokens for its rows and zero elsewhere; scaled by ``N`` against the shard's ``1/N``,
+the dense all-reduce's average turns it into the data-parallel average, as the gather
+path's full logits give it.
 """
 from __future__ import annotations
 
+
+from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -50,3 +62,46 @@ class TiedShardedProjection(VocabParallelOutput, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tied to a sharded table"
+
+
+class _GradTimes(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+class BiasedTiedProjection(TiedShardedProjection):
+    """``features @ table.T + bias`` against a sharded table, tied to it, with a
+    replicated ``V``-sized bias (see the module's docstring for why replicated).
+
+    Neither the table nor the bias is registered here: the embedding owns the table and
+    the enclosing head the bias, so the state dict keeps the stock keys.
+    """
+
+    def __init__(self, table: ShardedEmbedding, bias: nn.Parameter, mode: str = "gather") -> None:
+        if tuple(bias.shape) != (table.num_embeddings,):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} for a table of {table.num_embeddings} rows")
+        super().__init__(table, mode)
+        object.__setattr__(self, "_bias", bias)
+
+    def full_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return super().full_logits(features) + self._bias
+
+    def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        table = self.output_table()
+        # this rank's rows of the bias, in the shard's row order; gradient x N: the loss
+        # scales its weight gradient by the shard's 1/N, the dense all-reduce averages
+        rows = _GradTimes.apply(table.plan.shard_rows(self._bias, table.rank), 1.0 / table.grad_scale)
+        ones = hidden.new_ones(hidden.shape[0], 1)
+        weight = torch.cat([table.weight, rows.to(table.weight.dtype).unsqueeze(1)], dim=1)
+        return torch.cat([hidden, ones], dim=1), weight
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", with a replicated bias"

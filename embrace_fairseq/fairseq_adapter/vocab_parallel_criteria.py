@@ -10,8 +10,14 @@ marker (training, vocab-parallel enabled), the loss is computed over the shards 
 when the step's choice is the gather path, from the full logits by the stock code);
 otherwise the stock code runs untouched.
 
+``masked_lm`` (RoBERTa) computes its loss inside ``forward``; that ``forward`` is wrapped
+too: when the model's LM head returns the marker, the loss of the masked positions
+(the only ones the head projects) is computed over the shards, or from the full logits
+when the step takes the gather path. A rank whose batch has no masked token gives the
+loss no position and still takes part in every collective of the step.
+
 ``Trainer.__init__`` switches the path on for the model's output layers when the
-criterion is one of these two; with another criterion ``--embrace-output
+criterion is one of these three; with another criterion ``--embrace-output
 vocab-parallel`` stops at start-up and ``auto`` keeps the full-logits path.
 """
 from __future__ import annotations
@@ -24,7 +30,9 @@ from typing import Any, List
 import torch
 import torch.nn as nn
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+from fairseq import modules
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.criterions.masked_lm import MaskedLmLoss
 from fairseq.trainer import Trainer
 
 from embrace_fairseq.core.sharded_output import VocabParallelLogits, VocabParallelOutput
@@ -33,7 +41,7 @@ from embrace_fairseq.core.vocab_parallel import GATHER, VOCAB_PARALLEL, label_sm
 logger = logging.getLogger(__name__)
 
 #: criteria (exact classes) whose loss is computed vocab-parallel
-SUPPORTED_CRITERIA = (CrossEntropyCriterion, LabelSmoothedCrossEntropyCriterion)
+SUPPORTED_CRITERIA = (CrossEntropyCriterion, LabelSmoothedCrossEntropyCriterion, MaskedLmLoss)
 
 _APPLIED = False
 
@@ -62,8 +70,9 @@ def configure(model: nn.Module, criterion: Any) -> None:
         forced = [m for m in layers if m.output_mode == VOCAB_PARALLEL]
         if forced:
             raise VocabParallelUnsupported(
-                f"--embrace-output vocab-parallel needs the cross_entropy or label_smoothed_cross_entropy "
-                f"criterion; {type(criterion).__name__} reads full logits. Use --embrace-output auto or gather."
+                f"--embrace-output vocab-parallel needs the cross_entropy, label_smoothed_cross_entropy or "
+                f"masked_lm criterion; {type(criterion).__name__} reads full logits. Use --embrace-output auto "
+                f"or gather."
             )
         logger.info("EmbRace output layer: %s needs full logits: gather path", type(criterion).__name__)
         for m in layers:
@@ -202,6 +211,47 @@ def _label_smoothed_compute_accuracy(original):
     return compute_accuracy
 
 
+def _masked_lm_forward(original):
+    """``MaskedLmLoss.forward`` (same masking, loss and logging output) over the marker."""
+
+    @functools.wraps(original)
+    def forward(self, model, sample, reduce=True):
+        layers = [m for m in getattr(self, "_embrace_output_layers", ()) if m.takes_marker]
+        if not layers or self.tpu or not _runs_configured_model(self, model):
+            return original(self, model, sample, reduce)
+        masked_tokens = sample["target"].ne(self.padding_idx)
+        sample_size = masked_tokens.int().sum()
+        # as the stock loss: no masked token projects every position (their targets are
+        # padding, so the loss below gets none of them)
+        if masked_tokens.device == torch.device("cpu"):
+            projected = masked_tokens if masked_tokens.any() else None
+        else:
+            projected = torch.where(masked_tokens.any(), masked_tokens, masked_tokens.new([True]))
+        out = model(**sample["net_input"], masked_tokens=projected)[0]
+        targets = model.get_targets(sample, [out])
+        if projected is not None:
+            targets = targets[projected]
+        targets = targets.reshape(-1)
+        loss = None
+        if isinstance(out, VocabParallelLogits):
+            keep = targets.ne(self.padding_idx)
+            hidden = out.features.reshape(-1, out.features.shape[-1])[keep]
+            res = out.loss(hidden, targets[keep], smoothing=False, accuracy=False)  # collective, also for 0 tokens
+            if res is not None:
+                loss = res.nll.sum()
+            else:
+                out = out.logits()
+        if loss is None:
+            loss = modules.cross_entropy(out.view(-1, out.size(-1)), targets, reduction="sum",
+                                         ignore_index=self.padding_idx)
+        logging_output = {"loss": loss.data, "ntokens": sample["ntokens"], "nsentences": sample["nsentences"],
+                          "sample_size": sample_size}
+        return loss, sample_size, logging_output
+
+    forward._embrace_vocab_parallel = True  # type: ignore[attr-defined]
+    return forward
+
+
 def _trainer_init(original):
     @functools.wraps(original)
     def __init__(self: Trainer, cfg, task, model, criterion, *args, **kwargs):
@@ -212,10 +262,11 @@ def _trainer_init(original):
 
 
 def apply() -> None:
-    """Wrap the two criteria and the trainer once (idempotent)."""
+    """Wrap the three criteria and the trainer once (idempotent)."""
     global _APPLIED
     if _APPLIED:
         return
+    MaskedLmLoss.forward = _masked_lm_forward(MaskedLmLoss.forward)  # inside the count prefetch below
     for criterion in SUPPORTED_CRITERIA:
         criterion.forward = _criterion_forward(criterion.forward)
     CrossEntropyCriterion.compute_loss = _cross_entropy_compute_loss(CrossEntropyCriterion.compute_loss)
