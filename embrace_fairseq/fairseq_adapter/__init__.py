@@ -12,6 +12,7 @@ from embrace_fairseq.fairseq_adapter import checkpoint_io, scheduled_ddp, traine
 from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
     models,
 )
+from embrace_fairseq.fairseq_adapter import roberta  # noqa: F401,E402  (registers embrace_roberta*, embrace_xlm)
 
 trainer_glue.apply()
 vocab_parallel_criteria.apply()  # cross_entropy / label_smoothed_cross_entropy over the vocab-parallel output
