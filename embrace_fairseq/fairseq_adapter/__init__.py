@@ -13,6 +13,7 @@ from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_
     models,
 )
 from embrace_fairseq.fairseq_adapter import roberta  # noqa: F401,E402  (registers embrace_roberta*, embrace_xlm)
+from embrace_fairseq.fairseq_adapter import bart  # noqa: F401,E402  (registers embrace_bart*, embrace_mbart*)
 
 trainer_glue.apply()
 vocab_parallel_criteria.apply()  # cross_entropy / label_smoothed_cross_entropy over the vocab-parallel output

@@ -379,6 +379,26 @@ def _numpy_compat_long() -> None:
     sys.modules["numpy.compat"] = shim
 
 
+def _translation_from_pretrained_bart_args() -> None:
+    """fairseq 0.12's ``translation_from_pretrained_bart`` task (mBART fine-tuning) reads
+    ``self.args``, which its hydra-era base class no longer sets: every train, generate and
+    hub use fails with ``AttributeError`` (upstream issues #3169, #4479; fix PR #4487 not
+    merged). Its configuration is ``self.cfg``: give it that name too."""
+    from fairseq.tasks.translation_from_pretrained_bart import TranslationFromPretrainedBARTTask as task
+
+    if _is_ours(task.__init__):
+        return
+    orig = task.__init__
+
+    @functools.wraps(orig)
+    def __init__(self, args, src_dict, tgt_dict):
+        orig(self, args, src_dict, tgt_dict)
+        if not hasattr(self, "args"):
+            self.args = self.cfg
+
+    task.__init__ = _mark(__init__)
+
+
 def apply() -> None:
     """Install the fixes (idempotent). Needs fairseq to be importable."""
     _numpy_compat_long()
@@ -401,3 +421,4 @@ def apply() -> None:
         du._broadcast_object_slow = _wrap_broadcast_object_slow(du._broadcast_object_slow)
     if not _is_ours(du.distributed_init):
         du.distributed_init = _wrap_distributed_init(du.distributed_init)
+    _translation_from_pretrained_bart_args()
