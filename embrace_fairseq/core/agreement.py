@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.shard_plan import LAYOUTS, ShardPlan
+from embrace_fairseq.core.errors import UserError
 
 
-class ShardPlanMismatchError(RuntimeError):
+class ShardPlanMismatchError(UserError, RuntimeError):
     """Ranks disagree about a sharded table (vocabulary, size, padding, world size or layout)."""
 
 
-class ConfigMismatchError(RuntimeError):
+class ConfigMismatchError(UserError, RuntimeError):
     """Ranks disagree about the communication schedule or the replicated model."""
 
 

@@ -5,8 +5,10 @@ from typing import Optional
 
 import torch
 
+from embrace_fairseq.core.errors import UserError
 
-class InvalidIdError(ValueError):
+
+class InvalidIdError(UserError, ValueError):
     """An id outside ``[0, num_embeddings)`` reached a sharded table (on some rank)."""
 
 

@@ -37,6 +37,7 @@ from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, LAYOUTS, check_layou
 from embrace_fairseq.core.node_topology import EXCHANGES, check_exchange
 from embrace_fairseq.fairseq_adapter.scheduled_ddp import (
     SCHEDULE_FLAG, SCHEDULE_HELP, SCHEDULE_MODES, TRACE_FLAG, TRACE_HELP)
+from embrace_fairseq.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ LM_ARCHS = {
 }
 
 
-class UnsupportedWithSharding(ValueError):
+class UnsupportedWithSharding(UserError, ValueError):
     """An option that cannot work with vocab-sharded embeddings."""
 
 

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 import torch
 
 from embrace_fairseq.guards import safe_load
+from embrace_fairseq.core.errors import UserError
 
 SIDECAR = ".sha256"
 
@@ -47,7 +48,7 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the previous file at that path is kept."""
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(UserError, RuntimeError):
     """A checkpoint file is truncated or corrupted."""
 
 

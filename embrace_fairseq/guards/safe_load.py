@@ -16,8 +16,10 @@ from typing import Any, Iterator, List, Sequence
 
 import torch
 
+from embrace_fairseq.core.errors import UserError
 
-class UnsafeCheckpointError(RuntimeError):
+
+class UnsafeCheckpointError(UserError, RuntimeError):
     """A checkpoint names a class or function outside the allow-list; nothing was run."""
 
 
