@@ -21,11 +21,22 @@ Not combinable with anything that needs every gradient row at the step: gradient
 clipping and fp16 overflow checks (refused at start-up), gradient accumulation over
 several micro-batches. Non-finite deferred gradients are detected when the deferred work
 is joined (a collective on the training thread), one step later than the others.
+
+On CUDA the background thread works on a stream of its own (a thread's current stream
+is otherwise the legacy default stream, which would serialise its work with the next
+forward): it first waits for an event recorded on the stepping thread's stream (the
+priority rows and gradients are ready), and records an event after its last row write.
+Whoever reads a deferred row waits for the thread (host) and then makes its own current
+stream wait for that event (device), so a non-default main stream is ordered after the
+row writes too. The tensors the side stream reads that the main stream allocated
+(gradients, received rows, row indices) are held until that wait, so the caching
+allocator cannot hand their memory to the main stream while the side stream reads it.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,12 +62,43 @@ class RowStepper(Protocol):
     def apply(self, rows: Any = None, grad_scale: float = 1.0, grads: Any = None) -> None: ...
 
 
-def _counts_by_segment(mask: torch.Tensor, counts: Sequence[int]) -> List[int]:
-    out, start = [], 0
-    for c in counts:
-        out.append(int(mask[start : start + c].sum()) if c else 0)
-        start += c
+def _host_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Small host integers on ``device`` without a host sync (pinned, asynchronous copy on
+    CUDA: a blocking copy would synchronise the stream)."""
+    t = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _segment_counts(items: Sequence[Tuple[torch.Tensor, Sequence[int]]]) -> List[List[int]]:
+    """Per mask, how many entries of each segment (``counts[r]`` consecutive entries) it
+    keeps; one host sync for all masks (kept: the counts are AlltoAll split sizes, which
+    torch.distributed takes as host integers)."""
+    parts = []
+    for mask, counts in items:
+        ends = [0]
+        for c in counts:
+            ends.append(ends[-1] + int(c))
+        kept = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])
+        at = kept.index_select(0, _host_ints(ends, mask.device))
+        parts.append(at[1:] - at[:-1])
+    if not parts:
+        return []
+    flat = torch.cat(parts).tolist() if sum(p.numel() for p in parts) else []
+    out, i = [], 0
+    for _, counts in items:
+        out.append([int(x) for x in flat[i: i + len(counts)]])
+        i += len(counts)
     return out
+
+
+def _where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of ``mask``'s True entries, their number known on the host: no sync
+    (``nonzero`` alone must read the count back from the device)."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=count).flatten()
+    return mask.nonzero().flatten()
 
 
 class RelaxedRows:
@@ -82,6 +124,13 @@ class RelaxedRows:
         self._split_with: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._pending: List[tuple] = []  # (table index, work, recv rows, local rows, scale, padding, start_us)
         self._thread: Optional[threading.Thread] = None
+        # CUDA: the background thread's stream, the event after its last row write (what a
+        # reader's stream waits for), and the tensors it reads that the main stream made
+        self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}
+        self._done: Optional[Any] = None
+        self._held: List[Any] = []
+        #: CUDA: (begin, end) timing events of the last background update on its stream
+        self.side_events: Optional[Tuple[Any, Any]] = None
         self._error: Optional[BaseException] = None
         self._nonfinite: List[str] = []
         for t in self.tables:
@@ -99,8 +148,9 @@ class RelaxedRows:
             mine = torch.unique(torch.cat(flat)) if flat else torch.zeros(0, dtype=torch.long, device=device)
             mine = mine[(mine >= 0) & (mine < table.num_embeddings)]
             mine = table.plan.to_plan(mine)  # G in plan order: the ids the exchange works with
-            sizes = collectives.all_gather(torch.tensor([mine.numel()], dtype=torch.long, device=device), table.group)
-            longest = int(max(int(s.item()) for s in sizes))
+            # torch.full, not torch.tensor: no blocking host-to-device copy
+            sizes = collectives.all_gather(torch.full((1,), mine.numel(), dtype=torch.long, device=device), table.group)
+            longest = int(torch.cat(sizes).max())  # kept: the padded size is a host integer (one sync)
             padded = torch.full((longest,), -1, dtype=torch.long, device=device)
             padded[: mine.numel()] = mine
             union = torch.unique(torch.cat(collectives.all_gather(padded, table.group)))
@@ -124,17 +174,20 @@ class RelaxedRows:
         recv_mask = torch.isin(xp.requested_local + start, g)
         grad_unique = grad_unique.contiguous()
         dim = grad_unique.shape[1]
+        # every split size of both exchanges from one host sync (kept: AlltoAll split sizes
+        # are host integers); the row selections then need none
+        send_in, recv_in = _segment_counts([(send_mask, xp.send_counts), (recv_mask, xp.recv_counts)])
+        send_counts = [a - b for a, b in zip(xp.send_counts, send_in)]
+        recv_counts = [a - b for a, b in zip(xp.recv_counts, recv_in)]
         # the rows in G: the ordinary exchange restricted to them
-        sub = _Sub(xp, send_mask, recv_mask)
-        grad = sync_push(grad_unique[send_mask], sub, shard_rows, scale, padding_local)
+        sub = _Sub(xp, send_mask, recv_mask, send_in, recv_in)
+        grad = sync_push(grad_unique.index_select(0, sub.send_rows), sub, shard_rows, scale, padding_local)
         # the others: issued now on the relaxed group, completed later
-        send = grad_unique[~send_mask].contiguous()
-        recv_counts = _counts_by_segment(~recv_mask, xp.recv_counts)
-        send_counts = _counts_by_segment(~send_mask, xp.send_counts)
+        send = grad_unique.index_select(0, _where(~send_mask, sum(send_counts)))
         recv = grad_unique.new_empty(sum(recv_counts), dim)
         t0 = self.tracer.now()
         work = collectives.all_to_all_single_async(recv, send, recv_counts, send_counts, self.group)
-        rows = xp.requested_local[~recv_mask]
+        rows = xp.requested_local.index_select(0, _where(~recv_mask, sum(recv_counts)))
         row_bytes = dim * grad_unique.element_size()
         sent = sum(c for r, c in enumerate(send_counts) if r != xp.rank) * row_bytes
         got = sum(c for r, c in enumerate(recv_counts) if r != xp.rank) * row_bytes
@@ -151,6 +204,7 @@ class RelaxedRows:
         ti = self._index[id(table)]
         start = table.shard_range[0]
         done = self._updated[ti]
+        # kept host sync: whether to wait for the thread is a host decision
         if done is None or not bool(torch.isin(requested_local + start, done.to(requested_local.device)).all()):
             self.wait()
 
@@ -170,6 +224,7 @@ class RelaxedRows:
                 out.append(torch.arange(n, device=device))
             else:
                 g = g.to(device) if g is not None else torch.zeros(0, dtype=torch.long, device=device)
+                # kept host sync (once per step): the number of rows sizes their update
                 local = g[(g >= start) & (g < start + n)] - start
                 out.append(local)
         return out
@@ -182,23 +237,61 @@ class RelaxedRows:
         opt.begin_step(hp)
         opt.apply(prio)
         grads = [p.grad for p in opt.params]  # kept: the framework may drop .grad after its step
-        rest = []
-        for ti, t in enumerate(self.tables):
-            mask = torch.ones(t.weight.shape[0], dtype=torch.bool, device=t.weight.device)
-            mask[prio[ti]] = False
-            rest.append(mask.nonzero().flatten())
         pending, self._pending = self._pending, []
         self._updated = [self._split_with[ti] for ti in range(len(self.tables))]
         self._split_with = [None] * len(self.tables)
         self._next = [None] * len(self.tables)
-        self._thread = threading.Thread(target=self._finish, args=(opt, grads, rest, pending),
+        side = ready = None
+        device = self._cuda_device()
+        if device is not None:
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream(device=device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))  # priority rows and gradients are in
+            # held until a reader's stream waits for the side stream (see module doc)
+            self._held = [grads, prio, pending]
+        self._thread = threading.Thread(target=self._finish, args=(opt, grads, prio, pending, side, ready),
                                         name="embrace-relaxed-rows", daemon=True)
         self._thread.start()
 
-    @torch.no_grad()
-    def _finish(self, opt: RowStepper, grads: List[Optional[torch.Tensor]], rest: List[torch.Tensor],
-                pending: List[tuple]) -> None:
+    def _cuda_device(self) -> Optional[torch.device]:
+        devices = {t.weight.device for t in self.tables if t.weight.device.type == "cuda"}
+        if len(devices) > 1:
+            raise RuntimeError(f"relaxed rows over tables on several devices ({sorted(map(str, devices))})")
+        return devices.pop() if devices else None
+
+    def _finish(self, opt: RowStepper, grads: List[Optional[torch.Tensor]], prio: List[torch.Tensor],
+                pending: List[tuple], side: Optional["torch.cuda.Stream"], ready: Optional[Any]) -> None:
+        """The background thread: on CUDA on its own stream, ordered after ``ready``; the
+        event after its last write becomes :attr:`_done` whatever happens."""
+        if side is None:
+            self._finish_rows(opt, grads, prio, pending)
+            return
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         try:
+            with torch.cuda.device(side.device), torch.cuda.stream(side):
+                side.wait_event(ready)
+                begin.record(side)
+                try:
+                    self._finish_rows(opt, grads, prio, pending)
+                finally:
+                    done.record(side)
+                    self._done = done
+                    self.side_events = (begin, done)
+        except BaseException as exc:  # surfaced on the training thread by wait()
+            self._error = self._error or exc
+
+    @torch.no_grad()
+    def _finish_rows(self, opt: RowStepper, grads: List[Optional[torch.Tensor]], prio: List[torch.Tensor],
+                     pending: List[tuple]) -> None:
+        try:
+            # the rows not updated at the step (on this thread: its host sync blocks no one)
+            rest = []
+            for ti, t in enumerate(self.tables):
+                mask = torch.ones(t.weight.shape[0], dtype=torch.bool, device=t.weight.device)
+                mask[prio[ti]] = False
+                rest.append(mask.nonzero().flatten())
             # deferred gradient rows summed in fp32 (as stock embeddings sum half-precision rows)
             deferred = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in opt.params]
             starts: Dict[int, float] = {}
@@ -229,10 +322,16 @@ class RelaxedRows:
             self._error = exc
 
     def wait(self) -> None:
-        """Block until the deferred rows are exchanged and updated (no collective)."""
+        """Block until the deferred rows are exchanged and updated (no collective). On
+        CUDA the caller's current stream is ordered after the row writes (device side);
+        the host waits only for the thread, which enqueued them."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        done, self._done = self._done, None
+        if done is not None:
+            torch.cuda.current_stream(self._cuda_device()).wait_event(done)
+        self._held = []  # the reader's stream is ordered after the side stream: safe to free
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"deferred embedding rows failed: {err}") from err
@@ -244,12 +343,15 @@ class RelaxedRows:
 
 
 class _Sub:
-    """An ExchangePlan restricted to the rows in G (for the synchronous part)."""
+    """An ExchangePlan restricted to the rows in G (for the synchronous part); the counts
+    per rank are given (computed with the deferred ones in one host sync)."""
 
-    def __init__(self, xp: Any, send_mask: torch.Tensor, recv_mask: torch.Tensor) -> None:
+    def __init__(self, xp: Any, send_mask: torch.Tensor, recv_mask: torch.Tensor, send_counts: List[int],
+                 recv_counts: List[int]) -> None:
         self.plan, self.group, self.rank, self.ledgers = xp.plan, xp.group, xp.rank, xp.ledgers
         self.off_node = xp.off_node
-        self.send_counts = _counts_by_segment(send_mask, xp.send_counts)
-        self.recv_counts = _counts_by_segment(recv_mask, xp.recv_counts)
-        self.requested_local = xp.requested_local[recv_mask]
-        self.unique_ids = xp.unique_ids[send_mask]
+        self.send_counts = send_counts
+        self.recv_counts = recv_counts
+        self.send_rows = _where(send_mask, sum(send_counts))
+        self.requested_local = xp.requested_local.index_select(0, _where(recv_mask, sum(recv_counts)))
+        self.unique_ids = xp.unique_ids.index_select(0, self.send_rows)
