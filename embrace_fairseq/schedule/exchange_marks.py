@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence
 
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.trace import Tracer, TracingLedger
-from embrace_fairseq.schedule.executor import ExchangeGate, gate_scope
+from embrace_fairseq.schedule.gate import ExchangeGate, gate_scope
 
 
 def trace_tables(tables: Sequence[ShardedEmbedding], tracer: Tracer) -> None:

@@ -28,156 +28,61 @@ autograd thread use the default group, and two threads sharing one group would
 interleave their collectives in timing-dependent order.
 
 Where the order *across* groups matters too -- NCCL, whose kernels of different
-communicators can wait on each other on the device -- there is no thread: the pieces are
-issued from the autograd thread itself, inside the gradient hooks, following the
-schedule's static list (an agreement round there would stall the autograd thread on a
-host-side collective), as soon as the list's next piece is ready (and the exchange gate
-open). The hooks fire in the graph's
-order, the same on every rank, so every rank issues every collective (dense pieces and
-embedding exchanges alike) in one order. Credits wait for the oldest piece in flight to
-*finish* (a CUDA event there; ``work.wait()`` on NCCL does not block the host), and
-trace times come from the same events (from the work's future on gloo). No lock is
-held across a collective.
+communicators can wait on each other on the device (any group whose backend for the
+parameters' device is NCCL, ``"cpu:gloo,cuda:nccl"`` included:
+:func:`~embrace_fairseq.core.collectives.issues_from_one_thread`), or where
+``EMBRACE_SINGLE_THREAD_ISSUE=1`` asks for it -- there is no thread: the pieces are
+issued from the autograd thread itself, following the schedule's static list, and the
+list's prefix issued before each other collective of that thread is agreed at a fence
+before it, so every rank issues every collective (dense pieces, embedding exchanges, a
+loss's gathers) in one order whatever gradients it gets (``schedule/issue.py`` says how
+and why). Credits wait for the oldest piece in flight to *finish* (a CUDA event there;
+``work.wait()`` on NCCL does not block the host), and trace times come from the same
+events (from the work's future on gloo). No lock is held across a collective.
+
+Times on CUDA come from the device: a piece's start and end (events on its group's wait
+stream), backward from events on the current stream at the first gradient hook and at
+the end of backward, all placed on the host clock through one anchor per device; the
+link rate is measured on a buffer on the device the group uses. On CPU they are host
+times, as before.
 
 Average convention: the sum over ranks divided by the world size (what DDP and stock
-DeepSpeed leave in ``.grad``). Framework-agnostic: the caller says when a backward
-is the one to reduce (``active``) and calls :meth:`finish` before the optimizer step.
+DeepSpeed leave in ``.grad``), each rank's part divided *before* the sum, as DDP's default
+hook does (fp16 headroom). Framework-agnostic: the caller says when a backward is the one
+to reduce (``active``) and calls :meth:`finish` before the optimizer step.
+
+The class is split along its seams: issuing (``schedule/issue.py``), the communication
+thread and live queue (``schedule/live_queue.py``), completion tracking
+(``schedule/completion.py``), the exchange gate (``schedule/gate.py``); this module
+orchestrates them: readiness from the hooks, the step's begin and end, the rates.
 """
 from __future__ import annotations
 
-import contextlib
-import heapq
 import logging
 import threading
 import time
-from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from embrace_fairseq.core.ring_volume import ring_allreduce_bytes_int
 from embrace_fairseq.core import collectives
-from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.core.node_topology import NodeGroups, NodeTopology, node_groups
-from embrace_fairseq.schedule import rates
-from embrace_fairseq.schedule.plan import Schedule, piece_key
 from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.schedule import rates
+from embrace_fairseq.schedule.completion import CompletionMixin
+from embrace_fairseq.schedule.gate import ExchangeGate, gate_scope
+from embrace_fairseq.schedule.issue import IssueMixin
+from embrace_fairseq.schedule.live_queue import LiveQueueMixin
+from embrace_fairseq.schedule.plan import Schedule
+
+__all__ = ["ExchangeGate", "ScheduledAllReduce", "gate_scope"]
 
 logger = logging.getLogger(__name__)
 
 
-class ExchangeGate:
-    """The embedding exchange as the first item of the schedule: while a table's gradient
-    exchange is in flight, no new dense piece is issued, so the exchange the next
-    forward needs first does not queue behind them. Pieces already issued complete; the
-    per-group issue order is unchanged.
-
-    Exactly one :meth:`enter` and one :meth:`leave` per exchange: use :meth:`exchange`
-    around the exchange itself (a table's gradient-exchange scope, see
-    ``ShardedEmbedding.set_grad_exchange_scope``), not around what it serves -- a table
-    read by encoder and decoder has two looked-up outputs and one shard gradient, and
-    pairing enters with either would leave the gate closed for the rest of backward.
-    :attr:`entered` and :attr:`left` count both, for checks.
-
-    The gate's lock guards only its counters and is never held across a collective: a
-    piece being issued holds an *issue slot* (a counter), and an exchange that starts
-    meanwhile waits on the condition until the (asynchronous) issue returned."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy = 0
-        self._issuing = 0
-        self._listeners: List[Callable[[], None]] = []
-        self.entered = 0  # exchanges begun, ever
-        self.left = 0  # exchanges ended, ever
-
-    @property
-    def busy(self) -> bool:
-        with self._cond:
-            return self._busy > 0
-
-    def add_listener(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` (outside the lock) each time the gate opens."""
-        self._listeners.append(fn)
-
-    def enter(self) -> None:
-        with self._cond:
-            while self._issuing:
-                self._cond.wait()
-            self._busy += 1
-            self.entered += 1
-
-    def leave(self) -> None:
-        with self._cond:
-            if self._busy == 0:
-                raise RuntimeError("ExchangeGate.leave() without a matching enter()")
-            self._busy -= 1
-            self.left += 1
-            opened = self._busy == 0
-            self._cond.notify_all()
-        if opened:
-            self._opened()
-
-    @contextlib.contextmanager
-    def exchange(self):
-        """One exchange: closed (entered) for the body, left after it, also on an error."""
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
-
-    def _opened(self) -> None:
-        for fn in list(self._listeners):
-            fn()
-
-    def wait_idle(self) -> None:
-        """Block until no exchange is in flight (the lock is released on return)."""
-        with self._cond:
-            while self._busy:
-                self._cond.wait()
-
-    @contextlib.contextmanager
-    def idle(self):
-        """Wait until no exchange is in flight, then run the body (the issue of a piece)
-        in an issue slot: the lock is released, an exchange starting meanwhile waits for
-        the body to return."""
-        with self._cond:
-            while self._busy:
-                self._cond.wait()
-            self._issuing += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._issuing -= 1
-                self._cond.notify_all()
-
-
-def gate_scope(gate: Optional[ExchangeGate], active: Callable[[], bool],
-               mark: Optional[Callable[[], None]] = None) -> Callable[[], ContextManager[None]]:
-    """The scope of one table's gradient exchange, for
-    ``ShardedEmbedding.set_grad_exchange_scope``: in a reducing backward (``active()``)
-    the gate is closed for the exchange (entered when it begins, left when it ended);
-    ``mark`` (a trace mark) runs when it starts, either way."""
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        if gate is None or not active():
-            if mark is not None:
-                mark()
-            yield
-            return
-        with gate.exchange():
-            if mark is not None:
-                mark()
-            yield
-
-    return scope
-
-
-class ScheduledAllReduce:
+class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
     """Scheduled, overlapped all-reduce of replicated gradients.
 
     Args:
@@ -191,8 +96,9 @@ class ScheduledAllReduce:
         ledger, tracer: byte accounting and timeline (optional).
         gate: an :class:`ExchangeGate`: no piece is issued while an embedding exchange is in flight.
         single_thread: issue from the autograd thread (no communication thread), in the
-            static list's order. ``None`` (default): where the group's backend needs one
-            issue order across groups (NCCL).
+            static list's order, with fences (``schedule/issue.py``). ``None`` (default):
+            where the group's backend for the parameters' device needs one issue order
+            across groups (NCCL). ``EMBRACE_SINGLE_THREAD_ISSUE=1`` forces it on.
         live_queue: the communication thread runs the live priority queue over the
             buckets ready on every rank instead of following the static list (not in
             single-thread mode).
@@ -235,8 +141,12 @@ class ScheduledAllReduce:
         self.schedule = schedule
         self.group = group
         self.world_size = collectives.world_size(group)
-        if single_thread is None:
-            single_thread = collectives.is_distributed() and collectives.issues_from_one_thread(group)
+        #: the device the dense gradients live on (timing events, the link's buffer)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        if collectives.single_thread_forced():
+            single_thread = True
+        elif single_thread is None:
+            single_thread = collectives.is_distributed() and collectives.issues_from_one_thread(group, self.device)
         self.single_thread = bool(single_thread)
         self.overlap = overlap
         self.active = active
@@ -246,6 +156,14 @@ class ScheduledAllReduce:
         self.gate = gate
         if gate is not None and self.single_thread:
             gate.add_listener(self._gate_opened)
+            gate.add_enter_listener(self._gate_entering)
+        # single-thread mode: the host-side vote of the fences, and the fence itself
+        self._vote_group = self._vote_group_for(group, self.world_size) if self.single_thread else None
+        self._fenced_off = False
+        #: fence votes taken (single-thread mode), for logs and tests
+        self.fence_rounds = 0
+        if self.single_thread:
+            collectives.add_issue_fence(self._fence)
         self._bucket_of = {}
         for b in schedule.buckets:
             for t in b.tensors:
@@ -261,7 +179,7 @@ class ScheduledAllReduce:
         self.topology = topology
         self.two_level: Optional[NodeGroups] = None
         if (two_level and topology is not None and topology.world_size == self.world_size == collectives.world_size()
-                and not self.single_thread and collectives.backend_name(group) == "gloo"):
+                and not self.single_thread and collectives.backend_for(group, "cpu") == "gloo"):
             self.two_level = node_groups(topology, purpose="dense")  # collective; None on one node
         #: agreement rounds of the last reduced step (live queue), for logs and tests
         self.agreement_rounds = 0
@@ -271,7 +189,7 @@ class ScheduledAllReduce:
         self._measure_backward = opts.compute_bytes_per_s is None
         self._link_rate = opts.link_bytes_per_s
         if self._link_rate is None:
-            self._link_rate = rates.measure_link_bytes_per_s(opts.piece_bytes, group)
+            self._link_rate = rates.measure_link_bytes_per_s(opts.piece_bytes, group, device=self.device)
         if not self._measure_backward and opts.link_bytes_per_s is None:
             schedule.resimulate(opts.compute_bytes_per_s, self._link_rate)
         #: (backward, link) bytes per second the static list was last simulated with
@@ -292,6 +210,8 @@ class ScheduledAllReduce:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._next = 0  # single-thread mode: index of the next piece of the issue list
+        self._zeroed: set = set()  # single-thread mode: parameters a fence completed with zeros
+        self._bw_events: List[Any] = []  # CUDA: events at the first hook and at the end of backward
         self._inflight: List[tuple] = []  # (pending, piece), oldest first
         self._flattened: set = set()
         # the gradient each parameter had when it was marked ready: flattened from here,
@@ -302,11 +222,13 @@ class ScheduledAllReduce:
         self._deferred = False
         self._averaged: set = set()  # buckets whose average is in .grad (deferred step)
 
+
     def remove(self) -> None:
         """Detach the hooks (the object is unusable afterwards)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        collectives.remove_issue_fence(self._fence)
 
     # ------------------------------------------------------------------ readiness
     def _hook(self, i: int):
@@ -314,14 +236,20 @@ class ScheduledAllReduce:
             if not self.active():
                 return
             if not self._started:
-                self._begin()
-                # runs once the whole backward is done: covers parameters without a gradient
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._begin_backward()
+            if self.single_thread:
+                self._check_not_zeroed(i)
             self._mark(i)
             if self.single_thread and self.overlap:
                 self._issue_ready()
 
         return hook
+
+    def _begin_backward(self) -> None:
+        """A reducing backward began (its first hook, or a fence before any hook)."""
+        self._begin()
+        # runs once the whole backward is done: covers parameters without a gradient
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _begin(self) -> None:
         if self._deferred:
@@ -330,13 +258,10 @@ class ScheduledAllReduce:
         self._started = True
         self._backward_t0_s = time.perf_counter()
         self._backward_t0_us = self.tracer.now()
+        if self.device.type == "cuda":  # backward runs on the device: time it there
+            self._bw_events = [collectives.record_event(self.device)]
         if self.overlap and not self.single_thread:
             self._start_thread()
-
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="embrace-allreduce", daemon=True)
-            self._thread.start()
 
     def _mark(self, i: int) -> None:
         with self._lock:
@@ -354,16 +279,29 @@ class ScheduledAllReduce:
         # every gradient of this backward is computed: pieces issued before this point
         # overlapped the backward
         self.tracer.instant("gradients_ready")
-        if self.trace_backward:
-            self.tracer.compute("backward", self._backward_t0_us, self.tracer.now())
-        self._backward_s = time.perf_counter() - self._backward_t0_s
+        if self._bw_events:
+            self._bw_events.append(collectives.record_event(self.device))  # read at the step's end
+        else:
+            if self.trace_backward:
+                self.tracer.compute("backward", self._backward_t0_us, self.tracer.now())
+            self._backward_s = time.perf_counter() - self._backward_t0_s
         self._mark_all()
         if not self.overlap:
             return
         if self.single_thread:
-            self._issue_ready()
+            self._issue_ready(blocking=True)
         else:
             self._start_thread()
+
+    def _device_backward(self) -> None:
+        """CUDA: the backward's time from its device events (once the step ended)."""
+        if len(self._bw_events) != 2:
+            return
+        t0, t1 = (collectives.event_us(ev, self.device) for ev in self._bw_events)
+        self._bw_events = []
+        if self.trace_backward:  # the tracer's clock is perf_counter's in us, as event_us's
+            self.tracer.compute("backward", t0, t1)
+        self._backward_s = (t1 - t0) / 1e6
 
     def _mark_all(self) -> None:
         # A parameter unused in this step still takes part (as zeros, like stock
@@ -374,155 +312,7 @@ class ScheduledAllReduce:
                     p.grad = torch.zeros_like(p)
                 self._mark(i)
 
-    # ------------------------------------------------------------------ communication
-    def _flatten(self, b: int) -> torch.Tensor:
-        bucket = self.schedule.buckets[b]
-        grads = [self._grads[t].detach().reshape(-1) for t in bucket.tensors]
-        flat = self._flat[b]
-        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-            flat = self._flat[b] = torch.empty(bucket.numel, dtype=grads[0].dtype, device=grads[0].device)
-        torch.cat(grads, out=flat)
-        return flat
 
-    def _issue(self, piece) -> None:
-        """Issue one piece (its bucket is complete), after a credit is free."""
-        self._make_room(piece)
-        self._launch(piece)
-
-    def _make_room(self, piece) -> None:
-        if piece.bucket not in self._flattened:
-            self._flatten(piece.bucket)
-            self._flattened.add(piece.bucket)
-        self._wait_credit()
-
-    def _launch(self, piece) -> None:
-        view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
-        if self.two_level is not None and view.device.type == "cpu":
-            pending = collectives.all_reduce_two_level_async(view, self.two_level.node_group, self.two_level.rail_group)
-        else:
-            pending = collectives.all_reduce_async(view, self.group)
-        self._inflight.append((pending, piece))
-        with self._issued_cond:
-            self._issued[(piece.bucket, piece.index)] = pending
-            self._issued_cond.notify_all()
-
-    def _gate_opened(self) -> None:
-        if self._started and self.overlap:
-            self._issue_ready()
-
-    def _issue_ready(self, force: bool = False) -> None:
-        """Single-thread mode: issue the list's next pieces while their buckets are
-        complete (and, unless ``force``, no exchange is in flight)."""
-        order = self.schedule.issue_order
-        while self._next < len(order):
-            if not force and self.gate is not None and self.gate.busy:
-                return  # the gate calls back when it opens
-            piece = order[self._next]
-            if not self._events[piece.bucket].is_set():
-                return
-            self._next += 1
-            self._issue(piece)
-
-    def _run(self) -> None:
-        """The communication thread: the static list in order, or the live queue."""
-        if self.live_queue:
-            return self._run_live()
-        try:
-            for piece in self.schedule.issue_order:
-                self._events[piece.bucket].wait()
-                self._make_room(piece)  # credit waits happen outside the issue slot
-                with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
-                    self._launch(piece)  # the gate's lock is not held here
-            while self._inflight:
-                self._complete(self._inflight.pop(0))
-        except BaseException as exc:  # surfaced by finish() on the training thread
-            self._error = exc
-
-    def _run_live(self) -> None:
-        """The live priority queue (see the module doc)."""
-        try:
-            buckets = self.schedule.buckets
-            agreed = [False] * len(buckets)
-            unagreed = len(buckets)
-            queue: List[tuple] = []  # (piece_key, piece) of buckets ready on every rank
-            left = len(self.schedule.issue_order)
-            rounds = 0
-            while left:
-                self._wait_credit()
-                if unagreed:
-                    # same decision on every rank: the queue holds only agreed pieces
-                    if not queue:
-                        self._wait_for_news(agreed)
-                    t_agree = self.tracer.now()
-                    for b in self._agree():
-                        if not agreed[b]:
-                            agreed[b] = True
-                            unagreed -= 1
-                            for piece in self.schedule.pieces_of(b):
-                                heapq.heappush(queue, (piece_key(buckets, piece, self.schedule.options), piece))
-                    rounds += 1
-                    self.tracer.instant("agreed", began_us=t_agree, ready_everywhere=len(agreed) - unagreed)
-                    if not queue:
-                        continue
-                # every free credit now, most urgent first (how many is the same on every
-                # rank: credits come back only in _wait_credit, oldest first)
-                while queue and len(self._inflight) < self.schedule.options.max_in_flight:
-                    _, piece = heapq.heappop(queue)
-                    self._make_room(piece)
-                    with self.gate.idle() if self.gate is not None else contextlib.nullcontext():
-                        self._launch(piece)  # the gate's lock is not held here
-                    left -= 1
-            self.agreement_rounds = rounds
-            while self._inflight:
-                self._complete(self._inflight.pop(0))
-        except BaseException as exc:  # surfaced by finish() on the training thread
-            self._error = exc
-
-    def _wait_credit(self) -> None:
-        while len(self._inflight) >= self.schedule.options.max_in_flight:
-            self._complete(self._inflight.pop(0))
-
-    def _wait_for_news(self, agreed: List[bool]) -> None:
-        """Block until a bucket is ready here that the ranks have not agreed on yet."""
-        with self._changed:
-            while not any(e.is_set() and not a for e, a in zip(self._events, agreed)):
-                self._changed.wait()
-
-    def _agree(self) -> List[int]:
-        """The buckets ready on every rank (collective on the agreement group)."""
-        flags = torch.tensor([1 if e.is_set() else 0 for e in self._events], dtype=torch.int32)
-        if self.agree_group is not None:
-            collectives.all_reduce(flags, op="min", group=self.agree_group)
-        return [b for b, f in enumerate(flags.tolist()) if f]
-
-    def _complete(self, item: tuple) -> None:
-        pending, piece = item
-        pending.synchronize()  # finished, not only ordered: a CUDA event on GPUs
-        pending.wait()
-        nbytes, inter = self._dense_bytes(piece.numel, self._flat[piece.bucket])
-        for ledger in self.ledgers:
-            ledger.record(K.DENSE_GRAD, nbytes, nbytes, inter)
-        self.tracer.collective(K.DENSE_GRAD, piece.nbytes, pending.issued_us, pending.end_us(), bucket=piece.bucket,
-                               piece=piece.index)
-
-    def _dense_bytes(self, numel: int, flat: torch.Tensor) -> Tuple[int, Optional[int]]:
-        """Bytes this rank sends for one piece, and how many of them leave its node (None:
-        no topology, every rank counted as a node of its own)."""
-        esize, t = flat.element_size(), self.topology
-        if self.two_level is not None and flat.device.type == "cpu":
-            # chunks exchanged inside the node twice, this rank's chunk all-reduced across nodes
-            mine = collectives.chunk_sizes(numel, t.ranks_per_node)[t.local_of(collectives.rank())]
-            across = ring_allreduce_bytes_int(mine * esize, t.num_nodes)
-            return (numel - mine) * esize + (t.ranks_per_node - 1) * mine * esize + across, across
-        # ring all-reduce (in rank order): each rank sends and receives 2 (N-1)/N of the
-        # payload, to the next rank: across nodes from the last rank of each node
-        nbytes = ring_allreduce_bytes_int(numel * esize, self.world_size)
-        if t is None:
-            return nbytes, None
-        last_of_node = t.local_of(collectives.rank()) == t.ranks_per_node - 1 and t.num_nodes > 1
-        return nbytes, nbytes if last_of_node else 0
-
-    # ------------------------------------------------------------------ completion
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for every piece, then leave the averaged gradients in ``.grad``.
@@ -537,7 +327,7 @@ class ScheduledAllReduce:
         self._mark_all()
         try:
             if self.single_thread:
-                self._issue_ready(force=True)
+                self._issue_ready(force=True, blocking=True)
                 while self._inflight:
                     self._complete(self._inflight.pop(0))
             else:
@@ -553,6 +343,7 @@ class ScheduledAllReduce:
 
     def _step_ended(self) -> None:
         # at finish()/defer(): a point every rank reaches, hooks fired here or not
+        self._device_backward()
         self._last_backward_s = self._backward_s
 
     def measure_rates(self) -> None:
@@ -573,26 +364,7 @@ class ScheduledAllReduce:
                     "re-simulated (%s)", compute, self._link_rate,
                     "followed" if self.single_thread else "the live queue orders the pieces")
 
-    def _average(self) -> None:
-        for bucket in self.schedule.buckets:
-            self._average_bucket(bucket.index)
 
-    def _average_bucket(self, b: int) -> None:
-        bucket = self.schedule.buckets[b]
-        flat = self._flat[b]
-        if self.world_size > 1:
-            flat.div_(self.world_size)
-        offset = 0
-        for t in bucket.tensors:
-            p = self.params[t]
-            view = flat[offset : offset + p.numel()].view_as(p)
-            if self._deferred:
-                p.grad = view  # .grad was cleared at defer(); the buffer lives until the next backward
-            else:
-                p.grad.copy_(view)
-            offset += p.numel()
-
-    # ------------------------------------------------------------------ deferred completion
     @torch.no_grad()
     def defer(self) -> None:
         """End a reducing backward *without* waiting: every piece is (or will be) issued,
@@ -606,7 +378,7 @@ class ScheduledAllReduce:
         self._mark_all()
         self._deferred = True
         if self.single_thread:
-            self._issue_ready(force=True)
+            self._issue_ready(force=True, blocking=True)
         else:
             self._start_thread()
         for p in self.params:
@@ -616,45 +388,3 @@ class ScheduledAllReduce:
     def deferred(self) -> bool:
         """A :meth:`defer` whose :meth:`drain` has not run yet."""
         return self._deferred
-
-    @torch.no_grad()
-    def wait_bucket(self, b: int) -> List[torch.nn.Parameter]:
-        """Deferred step: wait for bucket ``b``'s pieces, leave its average in ``.grad``
-        of its parameters and return them. Once per bucket; on NCCL the wait orders the
-        current stream after the all-reduce (no host wait)."""
-        if not self._deferred:
-            raise RuntimeError("wait_bucket() outside a deferred step")
-        params = [self.params[t] for t in self.schedule.buckets[b].tensors]
-        if b in self._averaged:
-            return params
-        for piece in self.schedule.pieces_of(b):
-            with self._issued_cond:
-                while (piece.bucket, piece.index) not in self._issued:
-                    if self._error is not None:
-                        raise RuntimeError(f"dense gradient all-reduce failed: {self._error}") from self._error
-                    self._issued_cond.wait(timeout=1.0)
-                pending = self._issued[(piece.bucket, piece.index)]
-            pending.wait()
-        self._average_bucket(b)
-        self._averaged.add(b)
-        return params
-
-    def drain(self) -> None:
-        """Deferred step: wait for the rest of the communication (and its accounting)
-        and reset for the next backward. Every bucket must have been waited for."""
-        if not self._deferred:
-            return
-        missing = [b.index for b in self.schedule.buckets if b.index not in self._averaged]
-        try:
-            if self.single_thread:
-                while self._inflight:
-                    self._complete(self._inflight.pop(0))
-            elif self._thread is not None:
-                self._thread.join()
-            error = self._error
-            if error is not None:
-                raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
-            if missing:
-                raise RuntimeError(f"drain() before wait_bucket() of buckets {missing}")
-        finally:
-            self._reset()

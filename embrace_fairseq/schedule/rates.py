@@ -5,10 +5,11 @@ good as its estimate of when each gradient is ready and how long each piece take
 ratio of backward speed to link speed decides whether an urgent bucket is worth waiting
 for. Both are measured where they are not set in the configuration:
 
-* the link: a timed all-reduce of one piece at start-up, the slowest rank's time
-  (what every rank waits for);
+* the link: a timed all-reduce of one piece at start-up, on the device the group uses,
+  the slowest rank's time (what every rank waits for);
 * backward: gradient bytes over the time from the first gradient hook to the end of the
-  first reduced backward, the slowest rank's rate.
+  first reduced backward (device events on CUDA, not the host's enqueue times), the
+  slowest rank's rate.
 
 Every rank then holds the same reduced figures, so every rank re-simulates the same list.
 """
@@ -41,10 +42,14 @@ def slowest_seconds(seconds: float, group: collectives.Group = None) -> float:
     return float(t.item())
 
 
-def measure_link_bytes_per_s(nbytes: int, group: collectives.Group = None, repeats: int = 2) -> float:
+def measure_link_bytes_per_s(nbytes: int, group: collectives.Group = None, repeats: int = 2,
+                             device: Optional[torch.device] = None) -> float:
     """All-reduce throughput in payload bytes per second (what a piece of that size
     takes, latency included), from ``repeats`` timed
     all-reduces of ``nbytes`` after one untimed (collective; same call on every rank).
+    The buffer lives where the group runs a tensor of ``device`` (the dense gradients'
+    device; CPU by default), so no staging copy is timed; on CUDA the timer waits for
+    the device before and after.
 
     >>> measure_link_bytes_per_s(1 << 16) >= DEFAULT_LINK_BYTES_PER_S  # one process: no link
     True
@@ -52,14 +57,22 @@ def measure_link_bytes_per_s(nbytes: int, group: collectives.Group = None, repea
     world = collectives.world_size(group)
     if world <= 1:
         return DEFAULT_LINK_BYTES_PER_S
-    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    where = collectives.device_for(group, device if device is not None else "cpu")
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=where)
     collectives.all_reduce(buf, group=group)
+    _device_sync(where)
     t0 = time.perf_counter()
     for _ in range(repeats):
         collectives.all_reduce(buf, group=group)
+    _device_sync(where)  # NCCL's all-reduce returns once enqueued
     elapsed = slowest_seconds((time.perf_counter() - t0) / repeats, group)
     # payload bytes, as the simulation charges a piece (not the ring's wire bytes)
     return buf.numel() * 4 / max(elapsed, 1e-9)
+
+
+def _device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def backward_bytes_per_s(grad_bytes: int, seconds: Optional[float], group: collectives.Group = None) -> float:

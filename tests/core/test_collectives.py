@@ -33,15 +33,76 @@ def test_gloo_moves_other_devices_to_cpu():
     assert C.placement("gloo", torch.device("meta"), None) == CPU
 
 
-@pytest.mark.parametrize("backend", ["mpi", "ucc", "my_custom_backend", "cpu:gloo,cuda:nccl"])
+@pytest.mark.parametrize("backend", ["mpi", "ucc", "my_custom_backend"])
 @pytest.mark.parametrize("device", [CPU, CUDA1])
 def test_other_backends_take_tensors_as_given(backend, device):
     assert C.placement(backend, device, 0) == device
 
 
+# --------------------------------------------------------------------------- backends by exact name
+def test_backend_tables_are_what_torch_builds():
+    assert C.backend_table("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert C.backend_table("nccl") == {"cuda": "nccl"}
+    assert C.backend_table("gloo") == {"cpu": "gloo", "cuda": "gloo"}
+    # a bare init_process_group(): only the accelerator's default backend
+    assert C.backend_table("undefined", cuda_available=True) == {"cuda": "nccl"}
+    assert C.backend_table("undefined", cuda_available=False) == {"cpu": "gloo"}
+
+
+def test_per_device_backend_runs_cuda_tensors_on_nccl():
+    # CUDA tensors go to NCCL (the current device), CPU tensors stay for gloo
+    assert C.placement("cpu:gloo,cuda:nccl", CUDA1, 0) == torch.device("cuda", 0)
+    assert C.placement("cpu:gloo,cuda:nccl", CPU, 0) == CPU
+    assert C._resolve(C.backend_table("cpu:gloo,cuda:nccl"), CUDA1, 0)[0] == "nccl"
+    assert C._resolve(C.backend_table("cpu:gloo,cuda:nccl"), CPU, 0)[0] == "gloo"
+
+
+@pytest.mark.parametrize("config", ["undefined", "cuda:nccl"])
+def test_bare_init_on_a_gpu_machine_stages_cpu_tensors(config):
+    # what a bare init_process_group() builds with a GPU: NCCL only, so a CPU tensor is staged
+    assert C.placement(config, CPU, 2) == torch.device("cuda", 2)
+    with pytest.raises(RuntimeError, match="NCCL process group needs a CUDA device"):
+        C.placement("cuda:nccl", CPU, None)
+
+
+def test_one_answer_for_which_backend_runs_a_tensor(gloo1, monkeypatch):
+    # the group's configuration decides, not its name: the per-device NCCL configuration
+    # is seen as NCCL for CUDA tensors, so the dense all-reduce issues from one thread
+    monkeypatch.setattr(C.dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(C, "_cuda_index", lambda: 0)
+    assert C.backend_for(None, "cuda") == "nccl" and C.issues_from_one_thread(None, "cuda")
+    assert C.backend_for(None, "cpu") == "gloo" and not C.issues_from_one_thread(None, "cpu")
+    assert C.device_for(None, CUDA1) == torch.device("cuda", 0)
+
+
+def test_single_thread_switch(gloo1, monkeypatch):
+    assert not C.issues_from_one_thread(None, "cpu")
+    monkeypatch.setenv("EMBRACE_SINGLE_THREAD_ISSUE", "1")
+    assert C.issues_from_one_thread(None, "cpu")
+
+
+def test_bare_init_process_group_is_resolved(tmp_path):
+    """A real ``init_process_group()`` without a backend: torch calls it "undefined" and
+    builds gloo for the CPU on this machine; collectives and new groups work."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group(init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
+    try:
+        assert C.backend_name() == "undefined"
+        assert C.backend_for(None, "cpu") == "gloo" and C.device_for(None, "cpu") == CPU
+        assert not C.issues_from_one_thread(None, "cpu")
+        assert C.all_reduce(torch.tensor([2.0])).tolist() == [2.0]
+        g = C.new_group()
+        assert C.backend_for(g, "cpu") == "gloo"
+        C.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- one-rank gloo group
 def test_sync_wrappers_on_gloo(gloo1):
     assert C.is_distributed() and C.world_size() == 1 and C.rank() == 0 and C.backend_name() == "gloo"
+    assert C.backend_for(None, "cpu") == "gloo"
     assert C.device_for(None, "cpu") == CPU
     t = torch.tensor([1.0, 2.0])
     assert C.all_reduce(t) is t and t.tolist() == [1.0, 2.0]
@@ -90,3 +151,40 @@ def test_without_torch_distributed_world_is_one():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised")
     assert not C.is_distributed() and C.world_size() == 1 and C.rank() == 0 and C.new_group() is None
+
+
+# --------------------------------------------------------------------------- lifetimes
+def test_pending_holds_what_the_collective_uses_until_wait(gloo1):
+    """The rule itself, on a work that holds nothing (as NCCL's after its first wait)."""
+    import gc
+    import weakref
+
+    buf = torch.ones(3)
+    ref = weakref.ref(buf)
+    work = C._FutureWork()
+    p = C.Pending(lambda: work, CPU, lambda: None, keep=(buf,))
+    del buf
+    gc.collect()
+    assert ref() is not None, "a tensor of a collective in flight was released before wait()"
+    work.future.set_result(None)
+    p.wait()
+    gc.collect()
+    assert ref() is None, "the tensor was still held after wait()"
+
+
+def test_async_inputs_live_until_wait_on_real_ranks():
+    """Inputs no caller holds stay alive until wait() and go after it. The same ranks
+    also check the dense all-reduce's fp16 headroom (tests/schedule/test_fp16_headroom.py:
+    one start-up of ranks for both)."""
+    from embrace_fairseq.tools.local_ranks import run_ranks
+
+    import rank_fns_collectives
+
+    value = 40000.0  # two ranks: the sum 80000 is inf in fp16, the average 40000 is exact
+    out = run_ranks(rank_fns_collectives.lifetimes_and_fp16, 2, value)
+    for r in out:
+        assert r["before"] == r["count"], r  # every input alive while in flight
+        assert r["after"] == 0, r  # released once waited for
+        assert r["results_ok"], r
+        assert r["grad"] == [value] * 8, f"fp16 gradients summed before their division overflow: {r['grad']}"
+
