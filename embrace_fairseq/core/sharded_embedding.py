@@ -487,6 +487,9 @@ class ShardedEmbedding(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
         self._drop_prefetched_table()
         key = prefix + "weight"
+        if key in state_dict and state_dict[key].dim() >= 1:
+            check_table_rows(key, state_dict[key].shape[0], self.num_embeddings,
+                             self.weight.shape[0] if self.is_sharded else None)
         if key in state_dict and self.is_sharded:
             tensor = state_dict[key]
             if tensor.shape[0] == self.num_embeddings:
@@ -499,6 +502,25 @@ class ShardedEmbedding(nn.Module):
                 )
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+class TableSizeMismatch(ValueError):
+    """A checkpoint's table has another number of rows than the model's dictionary gives."""
+
+
+def check_table_rows(key: str, rows: int, num_embeddings: int, shard_rows: Optional[int] = None) -> None:
+    """Stop a load whose table does not match the dictionary, naming both sizes and the
+    usual cause (every rank loads the same file, so every rank stops here). A sharded
+    table also loads its own shard (``shard_rows``)."""
+    if rows == num_embeddings or (shard_rows is not None and rows == shard_rows):
+        return
+    raise TableSizeMismatch(
+        f"{key}: the checkpoint's table has {rows} rows but this model's dictionary has {num_embeddings} "
+        f"entries (one row per entry). The model is being built with another dictionary than the one the "
+        f"checkpoint was trained with: use the checkpoint's own dict.txt (and binarise the data with it: "
+        f"fairseq-preprocess --srcdict), and the same symbols the task adds to it: mBART's --langs (one "
+        f"[xx_XX] token per language), <mask> of masked_lm / denoising."
+    )
 
 
 def sharded_embeddings(module: nn.Module) -> List[ShardedEmbedding]:

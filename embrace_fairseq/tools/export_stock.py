@@ -2,11 +2,12 @@
 
 ``python -m embrace_fairseq.tools.export_stock CHECKPOINT OUT`` (or ``embrace-export-stock``)
 writes ``OUT``: the same weights (full tables: EmbRace checkpoints already hold them) under
-the stock architecture (``embrace_transformer*`` -> ``transformer*``,
-``embrace_transformer_lm*`` -> ``transformer_lm*``), with the stock model configuration
-(the EmbRace flags removed), no ``user_dir``, and the tied output projection's weight
-under its stock key. Stock fairseq and its hub interface load it with no ``--user-dir``
-and give the same outputs.
+the stock architecture (``embrace_<stock>`` -> ``<stock>``: ``transformer*``,
+``transformer_lm*``, ``roberta*`` / ``xlm``, ``bart*`` / ``mbart*``), with the stock model
+configuration (the EmbRace flags removed), no ``user_dir``, and each tied output weight
+under its stock key as well (:data:`TIED_OUTPUTS`). Stock fairseq and its hub interface
+load it with no ``--user-dir`` and give the same outputs. A checkpoint of a stock model
+loaded into the EmbRace one and saved again exports to the same tensors, bit for bit.
 
 The file holds only what torch's ``weights_only=True`` loader accepts (dicts, lists,
 tensors, numbers, strings): the model arguments, an ``argparse.Namespace`` in fairseq's
@@ -22,7 +23,7 @@ import argparse
 import copy
 import importlib
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ def stock_model_cfg(model_cfg: Any) -> Dict[str, Any]:
     out = _model_cfg_dict(model_cfg)
     name = out.get("_name") or out.get("arch")
     if not name or not str(name).startswith(PREFIX):
-        raise ExportError(f"not an EmbRace architecture: {name!r} (expected embrace_transformer* or "
-                          "embrace_transformer_lm*)")
+        raise ExportError(f"not an EmbRace architecture: {name!r} (expected embrace_<stock architecture>, "
+                          "e.g. embrace_transformer, embrace_transformer_lm, embrace_roberta_base, embrace_bart_large)")
     for key in [k for k in out if k.startswith(FLAG_PREFIX)]:
         out.pop(key)  # every --embrace-* flag: stock fairseq knows none of them
     for key in ("_name", "arch"):
@@ -68,13 +69,43 @@ def stock_model_cfg(model_cfg: Any) -> Dict[str, Any]:
     return out
 
 
+def _decoder_ties(cfg: Dict[str, Any]) -> bool:
+    tied = cfg.get("share_decoder_input_output_embed") or cfg.get("share_all_embeddings")
+    return bool(tied) and cfg.get("adaptive_softmax_cutoff") is None
+
+
+#: (stock key of an output weight tied to a table, the table's key, whether the model
+#: configuration ties them). The EmbRace models keep a tied output weight out of their
+#: state dict (the table is sharded once, under its own key); the stock ones list both.
+#: ``transformer*``, ``transformer_lm*`` and ``bart*`` (a transformer) share the first.
+TIED_OUTPUTS: List[Tuple[str, str, Callable[[Dict[str, Any]], bool]]] = [
+    ("decoder.output_projection.weight", "decoder.embed_tokens.weight", _decoder_ties),
+    ("encoder.lm_head.weight", "encoder.sentence_encoder.embed_tokens.weight",
+     lambda cfg: not cfg.get("untie_weights_roberta", False)),
+]
+
+
 def _tied_output_key(state: Dict[str, Any], model_cfg: Dict[str, Any]) -> None:
-    """Put the tied output projection's weight under its stock key (the same tensor)."""
+    """Put each tied output weight under its stock key too (the same tensor)."""
     weights = state["model"]
-    key, table = "decoder.output_projection.weight", "decoder.embed_tokens.weight"
-    tied = model_cfg.get("share_decoder_input_output_embed") or model_cfg.get("share_all_embeddings")
-    if tied and key not in weights and table in weights and model_cfg.get("adaptive_softmax_cutoff") is None:
-        weights[key] = weights[table]
+    for key, table, ties in TIED_OUTPUTS:
+        if key not in weights and table in weights and ties(model_cfg):
+            weights[key] = weights[table]
+
+
+#: stock models whose code reads model arguments their configuration dataclass does not hold
+#: (``BARTModel.upgrade_state_dict_named`` reads ``args.task``): fairseq builds them right only
+#: from an ``argparse.Namespace``, which is what its own checkpoints of them hold, so their
+#: export keeps one. Loading it needs ``argparse.Namespace`` allowed, as every stock BART
+#: checkpoint does under torch >= 2.6 (``--user-dir``, or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``).
+NAMESPACE_MODELS = ("bart",)
+
+
+def _needs_namespace(model_cfg: Dict[str, Any]) -> bool:
+    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+
+    model = ARCH_MODEL_REGISTRY.get(model_cfg.get("arch") or model_cfg.get("_name"))
+    return model is not None and any(MODEL_REGISTRY.get(name) is model for name in NAMESPACE_MODELS)
 
 
 def export_state(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -86,6 +117,12 @@ def export_state(state: Dict[str, Any]) -> Dict[str, Any]:
     cfg = copy.copy(state["cfg"])
     cfg["model"] = stock_model_cfg(cfg["model"])
     cfg["common"] = dict(cfg["common"], user_dir=None)
+    if isinstance(cfg.get("task"), argparse.Namespace):
+        # a task without a dataclass (translation_from_pretrained_bart) keeps its arguments
+        # as a Namespace, which weights_only refuses; fairseq sets such a task up from a dict too
+        cfg["task"] = dict(vars(cfg["task"]))
+    if _needs_namespace(cfg["model"]):
+        cfg["model"] = argparse.Namespace(**cfg["model"])
     out["cfg"] = cfg
     out["extra_state"] = {k: v for k, v in (state.get("extra_state") or {}).items() if k != "metrics"}
     out["model"] = dict(state["model"])
@@ -99,7 +136,7 @@ def check_loads_as_stock(state: Dict[str, Any]) -> None:
     from fairseq import tasks
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create(state["cfg"])
+    cfg = OmegaConf.create(state["cfg"], flags={"allow_objects": True})  # as fairseq's loader (NAMESPACE_MODELS)
     task = tasks.setup_task(cfg.task, from_checkpoint=True)
     model = task.build_model(cfg.model, from_checkpoint=True)
     if type(model).__module__.startswith("embrace_fairseq"):
@@ -128,8 +165,8 @@ def export(src: str, dst: str, check: bool = True) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m embrace_fairseq.tools.export_stock",
-        description="Write a stock fairseq checkpoint (transformer*, transformer_lm*) of an EmbRace one; "
-                    "stock fairseq loads it without --user-dir.")
+        description="Write a stock fairseq checkpoint (transformer*, transformer_lm*, roberta*/xlm, bart*/mbart*) "
+                    "of an EmbRace one; stock fairseq loads it without --user-dir.")
     parser.add_argument("checkpoint", help="EmbRace checkpoint (e.g. checkpoints/deen/checkpoint_best.pt)")
     parser.add_argument("out", help="file to write (e.g. export/model.pt)")
     parser.add_argument("--no-check", action="store_true",
@@ -141,7 +178,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ExportError as exc:
         parser.exit(2, f"export_stock: {exc}\n")
     print(f"wrote {args.out}: load it with stock fairseq, no --user-dir "
-          "(fairseq-generate --path, TransformerModel.from_pretrained / TransformerLanguageModel.from_pretrained)")
+          "(fairseq-generate --path, TransformerModel / TransformerLanguageModel / RobertaModel / BARTModel"
+          ".from_pretrained)")
 
 
 if __name__ == "__main__":
