@@ -104,5 +104,6 @@ class CompletionMixin:
                 raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
             if missing:
                 raise RuntimeError(f"drain() before wait_bucket() of buckets {missing}")
+            self._log_no_grad()
         finally:
             self._reset()

@@ -59,6 +59,7 @@ orchestrates them: readiness from the hooks, the step's begin and end, the rates
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence
@@ -162,8 +163,9 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._fenced_off = False
         #: fence votes taken (single-thread mode), for logs and tests
         self.fence_rounds = 0
-        if self.single_thread:
-            collectives.add_issue_fence(self._fence)
+        #: the parameters (indices) without a gradient in the last reduced step
+        self.no_grad_last_step: List[int] = []
+        self._steps_reduced = 0
         self._bucket_of = {}
         for b in schedule.buckets:
             for t in b.tensors:
@@ -199,6 +201,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._last_backward_s: object = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
+        if self.single_thread:
+            collectives.add_issue_fence(self._fence)
 
     # ------------------------------------------------------------------ per step state
     def _reset(self) -> None:
@@ -211,6 +215,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._error: Optional[BaseException] = None
         self._next = 0  # single-thread mode: index of the next piece of the issue list
         self._zeroed: set = set()  # single-thread mode: parameters a fence completed with zeros
+        self._no_grad: set = set()  # parameters without a gradient in this backward
         self._bw_events: List[Any] = []  # CUDA: events at the first hook and at the end of backward
         self._inflight: List[tuple] = []  # (pending, piece), oldest first
         self._flattened: set = set()
@@ -310,7 +315,20 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             if not self._ready[i]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                self._no_grad.add(i)
                 self._mark(i)
+
+    def _log_no_grad(self) -> None:
+        """With ``EMBRACE_ISSUE_LOG=DIR``: one line per reduced step in
+        ``DIR/nograd.rank<N>.log``, the parameters (by index) that got no gradient in it
+        (``-``: none), to check what a run's ranks differed in."""
+        self.no_grad_last_step = sorted(self._no_grad)
+        self._steps_reduced += 1
+        path = os.environ.get("EMBRACE_ISSUE_LOG")
+        if path:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, f"nograd.rank{collectives.rank()}.log"), "a") as f:
+                f.write(f"{self._steps_reduced} {','.join(map(str, self.no_grad_last_step)) or '-'}\n")
 
 
     @torch.no_grad()
@@ -337,6 +355,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             if error is not None:
                 raise RuntimeError(f"dense gradient all-reduce failed: {error}") from error
             self._average()
+            self._log_no_grad()
         finally:
             self._reset()
         self.measure_rates()

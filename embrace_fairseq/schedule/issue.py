@@ -139,6 +139,7 @@ class IssueMixin:
                     if not self._ready[t]:
                         self._zero_fill(t)
                         self._zeroed.add(t)
+                        self._no_grad.add(t)
             self._next += 1
             self._issue(piece)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, List, Optional, Sequence, Tuple
 
@@ -74,6 +75,16 @@ class Piece:
     nbytes: int
 
 
+def _env_bytes(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a whole number of bytes") from None
+
+
 @dataclass(frozen=True)
 class ScheduleOptions:
     """Knobs of the schedule; the defaults suit a small model on CPU or one GPU node.
@@ -88,9 +99,12 @@ class ScheduleOptions:
 
     model_level: bool = True
     tensor_level: bool = True
-    piece_bytes: int = 1 << 20
+    #: defaults: ``EMBRACE_PIECE_BYTES`` / ``EMBRACE_BUCKET_BYTES`` where set (sizing a
+    #: run whose engine has no flag for them, as fairseq's; a tiny test model's several
+    #: buckets), else 1 MiB / 4 MiB
+    piece_bytes: int = field(default_factory=lambda: _env_bytes("EMBRACE_PIECE_BYTES", 1 << 20))
     max_in_flight: int = 2
-    bucket_bytes: int = 4 << 20
+    bucket_bytes: int = field(default_factory=lambda: _env_bytes("EMBRACE_BUCKET_BYTES", 4 << 20))
     #: backward throughput in gradient bytes per second; None: measured (the executor
     #: re-simulates the list after the first reduced step), 4e9 until then
     compute_bytes_per_s: Optional[float] = None
