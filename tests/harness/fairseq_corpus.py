@@ -361,3 +361,41 @@ def run_fairseq_tool(
     run = FairseqRun(cmd, proc.returncode, proc.stdout, proc.stderr,
                      parse_json_records(proc.stdout + "\n" + proc.stderr))
     return run.check() if check else run
+
+
+def make_classification_corpus(
+    tmpdir: PathLike,
+    *,
+    n_train: int = 120,
+    n_valid: int = 24,
+    vocab_size: int = 44,
+    num_classes: int = 3,
+    min_len: int = 4,
+    max_len: int = 14,
+    seed: int = 0,
+    srcdict: Optional[PathLike] = None,
+    timeout: float = 120,
+) -> Path:
+    """A sentence-classification corpus for ``--task sentence_prediction`` (RoBERTa fine-tuning):
+    ``tmpdir/data-bin/input0`` (the sentences, binarised with ``srcdict`` when given, e.g. the
+    masked-LM corpus's ``dict.txt``, so a pretrained checkpoint's table fits) and
+    ``tmpdir/data-bin/label`` (the labels ``0`` .. ``num_classes - 1``, their own dictionary).
+    A sentence's label is its first word's index modulo ``num_classes``: learnable. Returns
+    ``tmpdir/data-bin`` (``train`` and ``valid`` splits)."""
+    tmp = Path(tmpdir)
+    raw, dest = tmp / "raw", tmp / "data-bin"
+    raw.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(vocab_size)]
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        sents = _random_sentences(rng, n, vocab, min_len, max_len)
+        _write_lines(raw / f"{split}.input0", sents)
+        _write_lines(raw / f"{split}.label", [[str(int(s[0][1:]) % num_classes)] for s in sents])
+    for part in ("input0", "label"):
+        cmd = [venv_script("fairseq-preprocess"), "--only-source", "--trainpref", str(raw / f"train.{part}"),
+               "--validpref", str(raw / f"valid.{part}"), "--destdir", str(dest / part), "--workers", "1"]
+        if part == "input0" and srcdict is not None:
+            cmd += ["--srcdict", str(srcdict)]
+        _run(cmd, cwd=tmp, env=fairseq_env(), timeout=timeout, check=True)
+    return dest
