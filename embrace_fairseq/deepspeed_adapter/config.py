@@ -153,15 +153,29 @@ def split_config(config: Union[None, str, Mapping[str, Any]]) -> Tuple[Optional[
     return ds, parse_embrace_config(ds.pop(SECTION, None))
 
 
+#: ZeRO stages the hook runs: 0 (the 2D schedule reduces the dense gradients), 1 and 2
+#: (DeepSpeed partitions the dense optimizer state, and at 2 the dense gradients too; the
+#: table shards are stepped by the shard optimizer)
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+
+
+def zero_stage_refusal(stage: int) -> str:
+    """The one-line reason a ZeRO stage is refused, and what to use instead."""
+    if stage == 3:
+        return ('"zero_optimization.stage": 3 is not supported with sharded embedding tables: stage 3 turns every '
+                "parameter of the module, the table shards included, into a partitioned parameter (broadcast from "
+                "rank 0, split, gathered again by its own forward hooks), but each rank's shard holds other rows: "
+                "the tables are already partitioned by rows. Use stage 2: DeepSpeed partitions the dense gradients and optimizer "
+                "state, and each rank keeps 1/N of the tables, their gradients and their optimizer state.")
+    return (f'"zero_optimization.stage": {stage} is not a ZeRO stage the EmbRace hook runs; use 0, 1 or 2 '
+            "(stage 3 is refused with sharded tables)")
+
+
 def check_supported(ds: Mapping[str, Any], embrace: Optional[EmbraceConfig] = None) -> None:
     """Refuse, before DeepSpeed starts, the combinations the hook cannot run correctly."""
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
-    if stage not in (0, 1):
-        raise EmbraceConfigError(
-            f'"zero_optimization.stage": {stage} is not supported with sharded embedding tables: stages 2 and 3 '
-            "partition gradients and parameters with hooks of their own. Use stage 0 or 1 (under stage 1 "
-            "DeepSpeed partitions the dense optimizer state; the shards' state is already 1/N per rank)."
-        )
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise EmbraceConfigError(zero_stage_refusal(stage))
     if (ds.get("bf16") or {}).get("enabled", False) and stage == 0:
         raise EmbraceConfigError(
             '"bf16.enabled" with "zero_optimization.stage": 0: DeepSpeed\'s stage-0 bf16 optimizer copies '

@@ -40,7 +40,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core.relaxed_rows import RelaxedRows
 from embrace_fairseq.core.sharded_embedding import finish_pending, job_topology, sharded_embeddings
 from embrace_fairseq.core.trace import Tracer
-from embrace_fairseq.deepspeed_adapter import grad_glue
+from embrace_fairseq.deepspeed_adapter import grad_glue, zero_partitions
 from embrace_fairseq.deepspeed_adapter.config import EmbraceConfig, EmbraceConfigError
 from embrace_fairseq.deepspeed_adapter.engine_setup import (  # noqa: F401  (re-exported)
     dense_parameters,
@@ -107,6 +107,13 @@ class EmbraceEngineHook:
             self._take_over_reduction(module)
         else:
             grad_glue.extend_zero_norm(self)
+            if self.zero_stage == 2:
+                zero_partitions.check_before_step(engine)
+            if collectives.rank() == 0:
+                logger.info("EmbRace at ZeRO stage %d: DeepSpeed reduces the dense gradients (%s), the 2D schedule "
+                            "does not apply; the table shards are stepped by the shard optimizer", self.zero_stage,
+                            "all-reduce after backward" if self.zero_stage == 1
+                            else "reduce-scatter from its gradient hooks during backward")
         self.next_forward: Optional[NextForwardUpdates] = None
         if config.next_forward:
             blocker = self._next_forward_blocker()
@@ -268,7 +275,9 @@ class EmbraceEngineHook:
             return self._step(step, *args, **kwargs)
 
         e.forward, e.backward, e.step = traced_forward, traced_backward, scheduled_step
-        if self.reducer is None:
+        if self.reducer is None and self.zero_stage < 2:
+            # (at stage 2 the gradients are checked in DeepSpeed's partitions at the step:
+            # zero_partitions.check_before_step)
             e.allreduce_gradients = checked_allreduce
         e.clip_fp32_gradients = self.clip_gradients
 

@@ -8,21 +8,19 @@ from typing import Any, Dict, Optional
 import torch
 
 from embrace_fairseq.core.sharded_embedding import is_sharded_param, sharded_embeddings
-from embrace_fairseq.deepspeed_adapter.config import EmbraceConfigError
+from embrace_fairseq.deepspeed_adapter.config import SUPPORTED_ZERO_STAGES, EmbraceConfigError, zero_stage_refusal
 from embrace_fairseq.optim.grad_norm import combine_norms, nonfinite_and_norm, raise_if_nonfinite, sharded_sq_norm
 
 
 def check_engine(engine: Any) -> None:
-    """Refuse engines the hook cannot take over (pipeline, ZeRO > 1, bf16 without ZeRO,
+    """Refuse engines the hook cannot take over (pipeline, ZeRO 3, bf16 without ZeRO,
     tables over another world)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     if isinstance(engine, PipelineEngine):
         raise EmbraceConfigError("pipeline parallel engines reduce gradients themselves; EmbRace supports plain data parallelism")
-    if engine.zero_optimization_stage() > 1:
-        raise EmbraceConfigError(
-            f"ZeRO stage {engine.zero_optimization_stage()} is not supported with sharded tables; use stage 0 or 1"
-        )
+    if engine.zero_optimization_stage() not in SUPPORTED_ZERO_STAGES:
+        raise EmbraceConfigError(zero_stage_refusal(int(engine.zero_optimization_stage())))
     if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0:
         raise EmbraceConfigError("bf16 needs ZeRO stage 1 with the EmbRace hook (see config.check_supported)")
     world = engine.dp_world_size

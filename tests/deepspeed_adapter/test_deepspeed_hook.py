@@ -142,7 +142,7 @@ def test_bad_embrace_config_stops_startup(section, needle):
 
 def test_unsupported_zero_stage_is_refused():
     with pytest.raises(EmbraceConfigError, match="zero_optimization.stage"):
-        initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+        initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
 
 
 def test_schedule_rates_come_from_the_config():
