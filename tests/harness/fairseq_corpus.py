@@ -363,6 +363,68 @@ def run_fairseq_tool(
     return run.check() if check else run
 
 
+def make_multilingual_corpus(
+    tmpdir: PathLike,
+    *,
+    langs: Sequence[str] = ("de", "en"),
+    n_train: int = 240,
+    n_valid: int = 24,
+    n_test: int = 20,
+    vocab_size: int = 51,
+    min_len: int = 3,
+    max_len: int = 12,
+    seed: int = 0,
+    extra_preprocess_args: Sequence[str] = (),
+    timeout: float = 120,
+) -> Path:
+    """A two-language corpus binarised for ``--task translation_multi_simple_epoch``: both
+    directions (``de-en`` and ``en-de`` for the default ``langs``) over one shared dictionary.
+
+    The second language is the first one word-for-word mapped (a permutation of the
+    vocabulary) and reversed, as in :func:`make_translation_corpus`; the second direction is
+    the same sentence pairs swapped. The shared dictionary is built once from the training
+    text of both languages (``fairseq-preprocess --joined-dictionary --dict-only``), then each
+    direction is binarised with it as ``--srcdict`` and ``--tgtdict``, the way M2M-100 / NLLB
+    data is prepared. ``tmpdir/data-bin`` (returned) holds ``{split}.{src}-{tgt}.{lang}.bin/idx``
+    for both directions, ``dict.{lang}.txt`` (identical files) and ``langs.txt`` (one language a
+    line, for ``--lang-dict``). The task adds one ``__lang__`` token per language to the
+    dictionary when it loads it.
+    """
+    if len(langs) != 2:
+        raise ValueError(f"two languages, got {list(langs)}")
+    first, second = langs
+    tmp = Path(tmpdir)
+    raw, shared, dest = tmp / "raw", tmp / "dict", tmp / "data-bin"
+    raw.mkdir(parents=True, exist_ok=True)
+    for folder in (shared, dest):
+        shutil.rmtree(folder, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(vocab_size)]
+    perm = vocab[:]
+    rng.shuffle(perm)
+    mapping = dict(zip(vocab, perm))
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        sents = _random_sentences(rng, n, vocab, min_len, max_len)
+        _write_lines(raw / f"{split}.{first}", sents)
+        _write_lines(raw / f"{split}.{second}", [[mapping[w] for w in reversed(s)] for s in sents])
+    common = ["--workers", "1", *extra_preprocess_args]
+    steps = [["--source-lang", first, "--target-lang", second, "--trainpref", str(raw / "train"),
+              "--destdir", str(shared), "--joined-dictionary", "--dict-only", *common]]
+    dictionary = shared / f"dict.{first}.txt"
+    for src, tgt in ((first, second), (second, first)):
+        steps.append(["--source-lang", src, "--target-lang", tgt, "--trainpref", str(raw / "train"),
+                      "--validpref", str(raw / "valid"), "--testpref", str(raw / "test"), "--destdir", str(dest),
+                      "--srcdict", str(dictionary), "--tgtdict", str(dictionary), *common])
+    # fairseq-preprocess's own entry point (cli_main) once per step, in one process: one
+    # import of fairseq instead of three (about 10 s less on two cores).
+    script = ("import json, sys\nfrom fairseq_cli.preprocess import cli_main\n"
+              "for argv in json.loads(sys.stdin.read()):\n    sys.argv = ['fairseq-preprocess', *argv]\n    cli_main()\n")
+    _run([sys.executable, "-c", script], cwd=tmp, env=fairseq_env(), timeout=timeout, check=True,
+         input_text=json.dumps(steps))
+    (dest / "langs.txt").write_text("".join(f"{lang}\n" for lang in langs), encoding="utf-8")
+    return dest
+
+
 def make_classification_corpus(
     tmpdir: PathLike,
     *,
