@@ -19,13 +19,23 @@ driver collects them into ``gpu_check.json`` under ``--out`` (default ``$OUT``, 
   repeats the uninterrupted run.
 * ``deepspeed``: fp16 and bf16 ZeRO-1 EmbRace vs stock DeepSpeed, and the fp32 masters
   refreshed after a weights-only load.
+* ``native_paths``, ``lifetimes``, ``relaxed_overlap``, ``timing``: see
+  :mod:`gpu_check_device` (each kernel path forced; inputs of asynchronous collectives
+  dropped and overwritten under allocator pressure; the relaxed rows' stream beside the
+  next forward; device end times of a delayed collective).
+* ``deepspeed_fp16_skip``: fp16 ZeRO-1 with ``compute_grad_norm: false``: a NaN shard
+  gradient skips the step for dense weights and shards alike.
 
-``--cpu-smoke``: the same drivers on CPU/gloo where CPU can run them (``exchange``,
-``native``, ``vocab_parallel``), the GPU-only ones planned but not run (their command lines are recorded).
+``--cpu-smoke``: the same drivers on CPU/gloo where CPU can run them, the GPU-only ones
+planned but not run (their command lines are recorded). ``--dry-run``: the plan only (checks,
+time limits, commands), nothing run. Each check has its own time limit and process; a
+failing check does not stop the others; the whole run (the native build included, whose
+start ``gpu_check.sh`` passes in ``EMBRACE_GPU_CHECK_T0``) ends within ``TOTAL_S``.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -37,10 +47,15 @@ from typing import Any, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests" / "harness")]
 
-CHECKS = ["exchange", "native", "vocab_parallel", "fairseq", "fairseq_resume", "deepspeed"]
-GPU_ONLY = {"fairseq", "fairseq_resume", "deepspeed"}
-TIMEOUTS = {"exchange": 90, "native": 60, "vocab_parallel": 90, "fairseq": 160, "fairseq_resume": 120, "deepspeed": 150}
-BUDGET_S = 480  # all checks together (the native build, if any, runs before)
+#: In running order: the quick, most telling checks first, the training runs last (what
+#: the time limit cuts, if anything).
+CHECKS = ["native_paths", "lifetimes", "relaxed_overlap", "timing", "exchange", "native", "vocab_parallel",
+          "deepspeed_fp16_skip", "deepspeed", "fairseq", "fairseq_resume"]
+GPU_ONLY = {"fairseq", "fairseq_resume", "deepspeed", "deepspeed_fp16_skip"}
+TIMEOUTS = {"native_paths": 60, "lifetimes": 75, "relaxed_overlap": 60, "timing": 45, "exchange": 90, "native": 45,
+            "vocab_parallel": 90, "deepspeed_fp16_skip": 75, "deepspeed": 150, "fairseq": 160, "fairseq_resume": 120}
+TOTAL_S = 530  # everything, the native build included: under 9 minutes
+MIN_CHECK_S = 20  # a check is not started with less time than this left
 
 
 def _env(cpu: bool) -> Dict[str, str]:
@@ -57,14 +72,18 @@ def _env(cpu: bool) -> Dict[str, str]:
     return env
 
 
+def worker_command(name: str, out: Path, cpu: bool) -> List[str]:
+    return [sys.executable, str(Path(__file__)), "--worker", name, "--out", str(out)] + (["--cpu-smoke"] if cpu else [])
+
+
 def run_check(name: str, out: Path, cpu: bool, limit: float = None) -> Dict[str, Any]:
     """Run one check in a child process; its result, or a failure naming what happened."""
     limit = TIMEOUTS[name] if limit is None else min(TIMEOUTS[name], limit)
-    if limit < 20:
-        return {"name": name, "status": "fail", "seconds": 0.0, "detail": "no time left in the check's budget"}
+    if limit < MIN_CHECK_S:
+        return {"name": name, "status": "fail", "seconds": 0.0, "detail": "not run: no time left in the run's budget"}
     result_file = out / f"{name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__)), "--worker", name, "--out", str(out)] + (["--cpu-smoke"] if cpu else [])
+    cmd = worker_command(name, out, cpu)
     start = time.time()
     try:
         proc = subprocess.run(cmd, env=_env(cpu), capture_output=True, text=True, timeout=limit)
@@ -86,9 +105,20 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "results" / "gpu_check"))
     ap.add_argument("--cpu-smoke", action="store_true", help="run what CPU/gloo can, plan the rest")
     ap.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (checks, limits, commands); run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in TIMEOUTS]
+    if unknown:
+        ap.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    if args.dry_run:
+        plan = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "total_s": TOTAL_S,
+                "checks": [{"name": n, "timeout_s": TIMEOUTS[n], "gpu_only": n in GPU_ONLY,
+                            "command": worker_command(n, out, args.cpu_smoke)} for n in names]}
+        print(json.dumps(plan, indent=1))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     if args.worker:
         import gpu_check_workers as W
@@ -97,20 +127,32 @@ def main(argv: List[str] = None) -> int:
         (out / f"{args.worker}.json").write_text(json.dumps(res, indent=1, default=str))
         return 0 if res["status"] != "fail" else 1
     started = time.time()
-    results = [run_check(n, out, args.cpu_smoke, BUDGET_S - (time.time() - started))
-               for n in args.only.split(",") if n]
-    summary = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "seconds": round(time.time() - started, 1),
+    t0 = float(os.environ.get("EMBRACE_GPU_CHECK_T0") or started)  # the shell's start (before any build)
+    results = []
+    for n in names:
+        results.append(run_check(n, out, args.cpu_smoke, TOTAL_S - (time.time() - t0)))
+        # written after every check: a run cut short still leaves what it found
+        _write_summary(out, args.cpu_smoke, started, results, partial=True)
+    summary = _write_summary(out, args.cpu_smoke, started, results, partial=False)
+    for r in results:
+        print(f"{r['status']:5s} {r['name']:20s} {r['seconds']:7.1f} s")
+    print(f"passed {summary['passed']}, failed {len(summary['failed'])}, skipped {len(summary['skipped'])}; "
+          f"results: {out / 'gpu_check.json'}")
+    return 1 if summary["failed"] else 0
+
+
+def _write_summary(out: Path, cpu: bool, started: float, results: List[Dict[str, Any]], partial: bool) -> Dict[str, Any]:
+    summary = {"mode": "cpu-smoke" if cpu else "gpu", "seconds": round(time.time() - started, 1),
+               "partial": partial,
                "passed": sum(r["status"] == "pass" for r in results),
                "failed": [r["name"] for r in results if r["status"] == "fail"],
                "skipped": [r["name"] for r in results if r["status"] == "skip"],
                "environment": _environment(), "checks": results}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
-    for r in results:
-        print(f"{r['status']:5s} {r['name']:15s} {r['seconds']:7.1f} s")
-    print(f"results: {out / 'gpu_check.json'}")
-    return 1 if summary["failed"] else 0
+    return summary
 
 
+@functools.lru_cache(maxsize=1)
 def _environment() -> Dict[str, Any]:
     import torch
 

@@ -1,5 +1,6 @@
 """Training checks of ``scripts/gpu_check.py`` (one GPU): fairseq fp16/bf16 EmbRace vs stock,
-a memory-efficient fp16 resume, DeepSpeed fp16/bf16 ZeRO-1 EmbRace vs stock. Every run is
+a memory-efficient fp16 resume, DeepSpeed fp16/bf16 ZeRO-1 EmbRace vs stock, fp16 ZeRO-1
+skipping a step with a non-finite shard gradient. Every run is
 a world of one on NCCL with the exchange forced on (``EMBRACE_FORCE_EXCHANGE=1``, set by
 the driver), so the EmbRace paths run their collectives on the GPU. With ``--cpu-smoke``
 they are planned only: the commands are recorded, nothing is trained."""
@@ -175,6 +176,55 @@ def deepspeed_vs_stock(out: Path, cpu: bool) -> Dict[str, Any]:
             return {"status": "fail", "detail": d}
     d["bf16_weights_after_lr0_step_minus_loaded"] = diff = _masters_follow_loaded_weights(cfgs["bf16"], device)
     return {"status": "pass" if diff == 0.0 else "fail", "detail": d}
+
+
+def deepspeed_fp16_skip(out: Path, cpu: bool) -> Dict[str, Any]:
+    """fp16 ZeRO-1 with ``zero_optimization.compute_grad_norm: false`` (the overflow check is
+    DeepSpeed's only skip decision): a NaN in the table shard's gradient at step 2 skips
+    that step for the dense weights and the shards alike (both unchanged, the loss scale
+    halved); the other steps apply."""
+    from rank_fns_deepspeed import _ds_config
+
+    # hysteresis 1: the first overflow halves the scale (DeepSpeed's default waits for a second)
+    cfg = dict(_ds_config(stage=1, clip=0.0), fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    cfg["zero_optimization"] = {"stage": 1, "compute_grad_norm": False}
+    if cpu:
+        return {"status": "skip", "detail": {"planned": cfg, "why": "DeepSpeed's fp16 does not run on CPU; "
+                                             "tests/deepspeed_adapter/test_zero1_overflow_shards.py checks the decision"}}
+    import deepspeed
+    import torch
+    from rank_fns_deepspeed import TinyLM, _batch
+
+    from embrace_fairseq.deepspeed_adapter import initialize
+    from gpu_check_workers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_SIZE="1")
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl")
+    device = torch.device("cuda", 0)
+    model = TinyLM(True, True).to(device)
+    engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                            model_parameters=list(model.parameters()), config=dict(cfg))
+    poison_at = 2
+    model.emb.weight.register_hook(
+        lambda g: torch.full_like(g, float("nan")) if engine.global_steps == poison_at else g)
+    steps = []
+    for step in range(4):
+        shard0, dense0 = model.emb.weight.detach().clone(), model.fc1.weight.detach().clone()
+        scale0 = float(engine.optimizer.loss_scale)
+        ids, tgt = (t.to(device) for t in _batch(step, 0))
+        engine.backward(engine(ids, tgt))
+        engine.step()
+        steps.append({"applied": bool(engine.was_step_applied()),
+                      "shard_changed": bool((model.emb.weight.detach() != shard0).any()),
+                      "dense_changed": bool((model.fc1.weight.detach() != dense0).any()),
+                      "loss_scale_before": scale0, "loss_scale_after": float(engine.optimizer.loss_scale)})
+    want = [{"applied": s != poison_at, "shard_changed": s != poison_at, "dense_changed": s != poison_at}
+            for s in range(4)]
+    got = [{k: r[k] for k in ("applied", "shard_changed", "dense_changed")} for r in steps]
+    ok = got == want and steps[poison_at]["loss_scale_after"] < steps[poison_at]["loss_scale_before"]
+    return {"status": "pass" if ok else "fail", "detail": {"steps": steps, "expected": want}}
 
 
 def cleanup(out: Path) -> None:

@@ -12,16 +12,23 @@ import torch
 import torch.nn.functional as F
 
 
-def run_worker(name: str, out: Path, cpu: bool) -> Dict[str, Any]:
+def workers() -> Dict[str, Callable[[Path, bool], Dict[str, Any]]]:
+    """Every check's body, by name (``scripts/gpu_check.py`` lists the same names)."""
+    import gpu_check_device as G
     import gpu_check_train as T
 
-    workers: Dict[str, Callable[[Path, bool], Dict[str, Any]]] = {
-        "exchange": exchange, "native": native, "vocab_parallel": vocab_parallel, "fairseq": T.fairseq_vs_stock,
-        "fairseq_resume": T.fairseq_resume, "deepspeed": T.deepspeed_vs_stock}
+    return {"exchange": exchange, "native": native, "native_paths": G.native_paths, "lifetimes": G.lifetimes,
+            "relaxed_overlap": G.relaxed_overlap, "timing": G.timing, "vocab_parallel": vocab_parallel,
+            "deepspeed": T.deepspeed_vs_stock, "deepspeed_fp16_skip": T.deepspeed_fp16_skip,
+            "fairseq": T.fairseq_vs_stock, "fairseq_resume": T.fairseq_resume}
+
+
+def run_worker(name: str, out: Path, cpu: bool) -> Dict[str, Any]:
+    bodies = workers()
     if not cpu and not torch.cuda.is_available():
         return {"status": "fail", "detail": "no CUDA device: run with --cpu-smoke on machines without a GPU"}
     try:
-        return workers[name](out, cpu)
+        return bodies[name](out, cpu)
     except Exception as exc:  # reported in the JSON, with the log beside it
         import traceback
 

@@ -99,7 +99,7 @@ def plan_exchange(
         send_counts = [0] * world
 
     header = torch.zeros(world, _HEADER_FIELDS, dtype=torch.long, device=device)
-    header[:, 0] = torch.tensor(send_counts, dtype=torch.long)
+    header[:, 0] = native_ops.host_ints(send_counts, device)  # no blocking host-to-device copy
     if bad is not None:
         header[:, 1] = 1
         header[:, 2] = bad
@@ -109,14 +109,17 @@ def plan_exchange(
     inter = None if topology is None else topology.off_node([_HEADER_FIELDS * header.element_size()] * world, rank)
     record_all(ledgers, K.COUNTS, header_bytes, header_bytes, inter)
 
-    flagged = recv_header[:, 1].nonzero().flatten().tolist()
+    # one host sync for the whole header (kept: the counts are the ids' AlltoAll split
+    # sizes, and raising on a flag is a host decision)
+    received = recv_header.tolist()
+    flagged = [r for r, row in enumerate(received) if row[1]]
     if flagged:
         src = flagged[0]
         raise InvalidIdError(
-            invalid_id_message(int(recv_header[src, 2]), plan.num_embeddings, src)
+            invalid_id_message(int(received[src][2]), plan.num_embeddings, src)
             + (f" (raised on rank {rank} too, so no rank waits in a collective)" if src != rank else "")
         )
-    recv_counts = recv_header[:, 0].tolist()
+    recv_counts = [int(row[0]) for row in received]
 
     wire = wire_dtype(plan.num_embeddings)
     send_ids = unique_ids.to(wire)

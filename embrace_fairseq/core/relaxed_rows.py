@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
+from embrace_fairseq.core.native_ops import host_ints
 from embrace_fairseq.core.output_dist import push_grad_rows as sync_push
 from embrace_fairseq.core.trace import Tracer
 
@@ -62,15 +63,6 @@ class RowStepper(Protocol):
     def apply(self, rows: Any = None, grad_scale: float = 1.0, grads: Any = None) -> None: ...
 
 
-def _host_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Small host integers on ``device`` without a host sync (pinned, asynchronous copy on
-    CUDA: a blocking copy would synchronise the stream)."""
-    t = torch.tensor(list(values), dtype=torch.long)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _segment_counts(items: Sequence[Tuple[torch.Tensor, Sequence[int]]]) -> List[List[int]]:
     """Per mask, how many entries of each segment (``counts[r]`` consecutive entries) it
     keeps; one host sync for all masks (kept: the counts are AlltoAll split sizes, which
@@ -81,7 +73,7 @@ def _segment_counts(items: Sequence[Tuple[torch.Tensor, Sequence[int]]]) -> List
         for c in counts:
             ends.append(ends[-1] + int(c))
         kept = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])
-        at = kept.index_select(0, _host_ints(ends, mask.device))
+        at = kept.index_select(0, host_ints(ends, mask.device))
         parts.append(at[1:] - at[:-1])
     if not parts:
         return []

@@ -9,7 +9,8 @@ import torch
 
 from embrace_fairseq.core.sharded_embedding import is_sharded_param, sharded_embeddings
 from embrace_fairseq.deepspeed_adapter.config import SUPPORTED_ZERO_STAGES, EmbraceConfigError, zero_stage_refusal
-from embrace_fairseq.optim.grad_norm import combine_norms, nonfinite_and_norm, raise_if_nonfinite, sharded_sq_norm
+from embrace_fairseq.optim.grad_norm import (combine_norms, local_nonfinite, nonfinite_and_norm, raise_if_nonfinite,
+                                             sharded_sq_norm)
 
 
 def check_engine(engine: Any) -> None:
@@ -33,24 +34,28 @@ def check_engine(engine: Any) -> None:
 
 
 def extend_zero_norm(hook: Any) -> None:
-    """ZeRO's global norm covers the shards too; remember its clip/unscale factor."""
+    """ZeRO's global norm and its overflow check cover the shards too; remember its
+    clip/unscale factor."""
     zopt = hook.engine.optimizer
     norm, unscale = zopt.scaled_global_norm, zopt.unscale_and_clip_grads
     tables = hook.tables
+    extend_zero_overflow(zopt, tables)
 
     def scaled_global_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
         dense = norm(*args, **kwargs)
         shard_sq = sharded_sq_norm([emb.weight.grad for emb in tables if emb.weight.grad is not None])
         if not torch.is_tensor(dense):
             dense = torch.tensor(float(dense))
-        if float(dense) < 0:  # DeepSpeed's marker of an invalid (inf/NaN) norm
-            return dense
-        total = combine_norms(dense, shard_sq.to(dense.device))
-        return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0)).to(dense.device)
+        total = combine_norms(dense, shard_sq.to(dense.device)).to(dense.device)
+        # DeepSpeed marks an invalid (inf/NaN) norm with -1: kept when the dense norm has
+        # it, else set where the total is not finite (device-side: no host sync)
+        minus_one = torch.full_like(total, -1.0)
+        return torch.where(dense.float() < 0, minus_one, torch.where(torch.isfinite(total), total, minus_one))
 
     def unscale_and_clip_grads(grad_groups_flat: Any, total_norm: Any) -> Any:
         combined = float(zopt.loss_scale)
         if zopt.clip_grad > 0.0:
+            # kept host sync (with clipping only): the shard optimizer takes its scale as a float
             clip = ((float(total_norm) / combined) + 1e-6) / zopt.clip_grad
             combined = max(clip, 1.0) * combined
         hook._last_clip_scale = 1.0 / combined
@@ -58,6 +63,28 @@ def extend_zero_norm(hook: Any) -> None:
 
     zopt.scaled_global_norm = scaled_global_norm
     zopt.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+def extend_zero_overflow(zopt: Any, tables: Any) -> None:
+    """ZeRO's overflow check (``check_overflow``: its skip-step decision under fp16) sees
+    the shards' gradients too. With ``zero_optimization.compute_grad_norm=false`` the
+    check is the only overflow decision (no norm is taken), and it looks at the dense
+    partitions alone: a non-finite shard gradient would reach the shard optimizer while
+    DeepSpeed stepped the dense weights. The local flag gains the shards' flag before
+    DeepSpeed all-reduces it (MAX) over the data-parallel group, so every rank skips the
+    same steps, and the hook steps the shards only when DeepSpeed applied its step
+    (``engine._step_applied``). With optimizer offload DeepSpeed reads another flag, but
+    it refuses ``compute_grad_norm=false`` there and the extended norm decides."""
+    local = getattr(zopt, "has_overflow_partitioned_grads_serial", None)
+    if local is None:
+        return
+
+    def has_overflow_partitioned_grads_serial() -> torch.Tensor:
+        dense = local()
+        shards = local_nonfinite([emb.weight.grad for emb in tables])
+        return dense | shards.to(dense.device)
+
+    zopt.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from embrace_fairseq.core import collectives
+from embrace_fairseq.core.native_ops import host_ints
 
 
 def sharded_sq_norm(grads: Iterable[torch.Tensor], group: Optional["dist.ProcessGroup"] = None) -> torch.Tensor:
@@ -35,6 +36,20 @@ def combine_norms(dense_norm: torch.Tensor, sharded_sq: torch.Tensor) -> torch.T
     """sqrt(dense^2 + sharded^2) in float32 (inf/nan propagate, as overflow checks need)."""
     dense = dense_norm.float().to(sharded_sq.device)
     return torch.sqrt(dense * dense + sharded_sq)
+
+
+def local_nonfinite(grads: Iterable[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Whether any of this rank's gradients holds an inf/NaN: a 1-element bool tensor on
+    their device, computed there (no host sync). Local: a caller that needs one decision
+    on every rank reduces it (DeepSpeed's overflow check all-reduces its flag with MAX).
+
+    >>> local_nonfinite([torch.ones(2), torch.tensor([1.0, float("inf")])]).tolist()
+    [True]
+    """
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.zeros(1, dtype=torch.bool)
+    return torch.stack([~torch.isfinite(g.detach()).all() for g in present]).any().reshape(1)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -94,8 +109,9 @@ def nonfinite_and_norm(
     idx = [i for i, (_, g) in enumerate(named) if g is not None]
     if idx:
         norms = torch.stack([torch.linalg.vector_norm(named[i][1].detach(), 2, dtype=torch.float32) for i in idx])
-        buf[:-1].view(world, width)[rank, torch.tensor(idx, device=device)] = (~torch.isfinite(norms)).float()
-        is_shard = torch.tensor([bool(sharded[i]) for i in idx], device=device)
+        # host integers staged without a blocking copy (no host sync on a GPU)
+        buf[:-1].view(world, width)[rank, host_ints(idx, device)] = (~torch.isfinite(norms)).float()
+        is_shard = host_ints([int(bool(sharded[i])) for i in idx], device).bool()
         squares = norms * norms
         zero = squares.new_zeros(())
         # where, not a boolean index: no host synchronisation on a GPU
@@ -104,6 +120,7 @@ def nonfinite_and_norm(
     if dist_on and world > 1:
         collectives.all_reduce(buf, group=group)
     flags = buf[:-1].view(world, width)
+    # kept host sync (one per step): stopping the ranks is a host decision
     found = [(named[i][0], r) for r, i in flags.nonzero().tolist()] if named else []
     if found:  # a norm overflowed or a gradient is not finite: the exact round decides
         exact = _exact_flags(named, world, rank, device)

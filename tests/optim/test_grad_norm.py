@@ -90,3 +90,16 @@ def test_check_and_norm_over_three_ranks():
         assert math.isnan(res["nan"]["norm"])
         assert res["overflow"]["found"] == res["overflow"]["old_found"] == [], (rank, res["overflow"])
         assert math.isinf(res["overflow"]["norm"])
+
+
+def test_local_nonfinite_flag_stays_on_the_device_and_sees_every_gradient():
+    from embrace_fairseq.optim.grad_norm import local_nonfinite
+
+    finite = [torch.ones(3), None, torch.zeros(2, 2)]
+    assert local_nonfinite(finite).tolist() == [False]
+    assert local_nonfinite([]).tolist() == [False]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = torch.zeros(2, 2)
+        g[1, 0] = bad
+        flag = local_nonfinite(finite + [g])
+        assert flag.dtype == torch.bool and flag.shape == (1,) and flag.tolist() == [True]

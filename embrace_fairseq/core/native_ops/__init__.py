@@ -46,7 +46,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from embrace_fairseq.core.ids import InvalidIdError, validate_ids
+from embrace_fairseq.core.ids import InvalidIdError
 
 #: Must equal ``kApiVersion`` in csrc/embrace_native.h.
 API_VERSION = 2
@@ -185,6 +185,28 @@ def use_native(op: str, device: torch.device) -> bool:
     return device.type == "cpu" and AUTO_NATIVE[op]
 
 
+# --------------------------------------------------------------------- host integers
+def host_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Small host integers (split sizes, boundaries, positions) as an int64 tensor on
+    ``device`` without a host sync: on CUDA through pinned memory and an asynchronous
+    copy (``torch.tensor(..., device=cuda)`` copies from pageable memory and blocks until
+    the stream is idle). The caching host allocator keeps the pinned block until the copy
+    is done."""
+    t = torch.tensor(list(values), dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _bad_id(flat_ids: torch.Tensor, num_embeddings: int) -> Optional[int]:
+    """:func:`~embrace_fairseq.core.ids.validate_ids` with one host sync (kept: raising is a
+    host decision) instead of one for the minimum and one for the maximum."""
+    if flat_ids.numel() == 0:
+        return None
+    lo, hi = torch.stack(torch.aminmax(flat_ids.long())).tolist()
+    return lo if lo < 0 else (hi if hi >= num_embeddings else None)
+
+
 # --------------------------------------------------------------------- dedup + bucket
 class Bucketed(NamedTuple):
     """Unique ids (ascending, so grouped by owner), the inverse index and per-owner
@@ -198,13 +220,15 @@ class Bucketed(NamedTuple):
 
 def dedup_bucket_reference(flat_ids: torch.Tensor, boundaries: Sequence[int]) -> Bucketed:
 
-    bad = validate_ids(flat_ids, boundaries[-1])
+    # host syncs on CUDA: the id range (one), torch.unique's output size (one), the counts
+    # (one; kept: they are AlltoAll split sizes, which are host integers)
+    bad = _bad_id(flat_ids, boundaries[-1])
     if bad is not None:
         return Bucketed(None, None, None, bad)
     # torch.unique sorts, and shards are contiguous ranges, so the unique ids
     # arrive already bucketed by owner; searchsorted finds the bucket edges.
     unique_ids, inverse = torch.unique(flat_ids.long(), sorted=True, return_inverse=True)
-    edges = torch.tensor(list(boundaries), dtype=torch.long, device=flat_ids.device)
+    edges = host_ints(boundaries, flat_ids.device)
     cuts = torch.searchsorted(unique_ids, edges)
     return Bucketed(unique_ids, inverse, (cuts[1:] - cuts[:-1]).tolist(), None)
 
