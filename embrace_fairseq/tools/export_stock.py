@@ -121,12 +121,12 @@ def export_state(state: Dict[str, Any]) -> Dict[str, Any]:
         # a task without a dataclass (translation_from_pretrained_bart) keeps its arguments
         # as a Namespace, which weights_only refuses; fairseq sets such a task up from a dict too
         cfg["task"] = dict(vars(cfg["task"]))
-    if _needs_namespace(cfg["model"]):
-        cfg["model"] = argparse.Namespace(**cfg["model"])
     out["cfg"] = cfg
     out["extra_state"] = {k: v for k, v in (state.get("extra_state") or {}).items() if k != "metrics"}
     out["model"] = dict(state["model"])
     _tied_output_key(out, cfg["model"])
+    if _needs_namespace(cfg["model"]):
+        cfg["model"] = argparse.Namespace(**cfg["model"])
     return out
 
 
@@ -157,7 +157,8 @@ def export(src: str, dst: str, check: bool = True) -> Dict[str, Any]:
     if check:
         check_loads_as_stock(out)
     atomic_save(out, dst)
-    name = out["cfg"]["model"].get("arch") or out["cfg"]["model"].get("_name")
+    model_cfg = _model_cfg_dict(out["cfg"]["model"])
+    name = model_cfg.get("arch") or model_cfg.get("_name")
     logger.info("wrote %s (%s, %d tensors)", dst, name, len(out["model"]))
     return out
 
