@@ -191,9 +191,17 @@ def test_cuda_kernels_match_the_cpu_reference(dtype):
     bounds = ShardPlan(1000, 3).boundaries
     for name, ids in id_batches(1000, 3, gen):
         ref = N.dedup_bucket_reference(ids, bounds)
-        nat = N.dedup_bucket_native(ids.cuda(), bounds)
-        assert nat.unique_ids.is_cuda and same_bits(nat.unique_ids.cpu(), ref.unique_ids), name
-        assert same_bits(nat.inverse.cpu(), ref.inverse) and nat.send_counts == ref.send_counts, name
+        for method in (0, 1, 2):  # auto, dense, sort: each CUDA path
+            nat = N.dedup_bucket_native(ids.cuda(), bounds, method)
+            assert nat.unique_ids.is_cuda and same_bits(nat.unique_ids.cpu(), ref.unique_ids), (name, method)
+            assert same_bits(nat.inverse.cpu(), ref.inverse) and nat.send_counts == ref.send_counts, (name, method)
+    big = ShardPlan(7 * 2048 + 3, 2048).boundaries  # 2049 edges: more than one CUDA block
+    ids = torch.randint(0, big[-1], (5000,), generator=gen)
+    for method in (0, 1, 2):
+        assert N.dedup_bucket_native(ids.cuda(), big, method).send_counts == N.dedup_bucket_reference(ids, big).send_counts
+    with pytest.raises(N.RowIndexError, match="^gather_rows: index 50 out of range for a table of 50 rows$"):
+        N.gather_rows_native(torch.zeros(50, 3, device="cuda"), torch.tensor([1, 50], device="cuda"))
+    assert float(torch.ones(10, device="cuda").sum()) == 10.0  # the context survived the bad index
     assert N.dedup_bucket_native(torch.tensor([5, 1000]).cuda(), bounds).bad_id == 1000
     table = torch.randn(50, 33, generator=gen).to(dtype)
     index = torch.randint(0, 50, (400,), generator=gen)
