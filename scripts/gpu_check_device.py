@@ -223,9 +223,11 @@ class _null:
 
 # --------------------------------------------------------------------------- timing
 def timing(out: Path, cpu: bool) -> Dict[str, Any]:
-    """An all-reduce issued behind ~50 ms of device work: ``Pending.end_us`` (the device's
-    end event on the host clock) is at least the delay after issue and not after the
-    host's clock once it is known to be finished."""
+    """An all-reduce issued behind ~50 ms of device work: its device times
+    (``Pending.issued_us``, the start event, and ``end_us``, on the host clock through the
+    anchor event) lie at least the delay after the host issued it (they time execution,
+    not enqueueing), start before end, and end no later than the host's clock once it is
+    known to be finished."""
     import gpu_check_workers as W
     import torch.distributed as dist
 
@@ -241,18 +243,22 @@ def timing(out: Path, cpu: bool) -> Dict[str, Any]:
         for _ in range(3):
             _delay(device, delay_ms)
             p = collectives.all_reduce_async(x)
-            issue_host = p.issued_us
+            issue_host = getattr(p, "host_issued_us", None)
             p.synchronize()
             after_host = time.perf_counter() * 1e6
-            end = p.end_us()
-            rows.append({"end_minus_issue_ms": (end - issue_host) / 1e3, "host_after_minus_end_ms": (after_host - end) / 1e3})
+            start, end = p.issued_us, p.end_us()
+            issue_host = start if issue_host is None else issue_host
+            rows.append({"start_minus_host_issue_ms": (start - issue_host) / 1e3,
+                         "end_minus_start_ms": (end - start) / 1e3,
+                         "host_after_minus_end_ms": (after_host - end) / 1e3})
+            p.wait()
     finally:
         dist.destroy_process_group()
     d["rounds"] = rows
     slack_ms = 2.0  # the anchor's placement on the host clock
-    ok = all(r["host_after_minus_end_ms"] >= -slack_ms for r in rows)
+    ok = all(r["host_after_minus_end_ms"] >= -slack_ms and r["end_minus_start_ms"] >= -slack_ms for r in rows)
     if not cpu:
-        ok = ok and all(r["end_minus_issue_ms"] >= 0.8 * delay_ms for r in rows)
+        ok = ok and all(r["start_minus_host_issue_ms"] >= 0.8 * delay_ms for r in rows)
     else:
         d["gpu_only"] = GPU_ONLY_PARTS["timing"]
     return {"status": "pass" if ok else "fail", "detail": d}
