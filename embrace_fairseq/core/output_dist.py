@@ -52,6 +52,9 @@ def push_grad_rows(
 
     ``scale`` turns the sum over ranks into the convention the caller wants
     (``1 / world_size`` gives the data-parallel average that DDP leaves in ``.grad``).
+    Half-precision rows are summed in fp32 and scaled before their one rounding, so a
+    sum over ranks beyond the fp16 range whose average is within it stays finite
+    (:func:`~embrace_fairseq.core.native_ops.scatter_add_rows`).
     """
     recv = _exchange_rows(grad_unique, xp.send_counts, xp.recv_counts, xp, K.GRAD_ROWS)
     # zeros + index_add_ + mul_(scale) + padding row zeroed

@@ -88,9 +88,10 @@ def _segment_counts(items: Sequence[Tuple[torch.Tensor, Sequence[int]]]) -> List
 def _where(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Positions of ``mask``'s True entries, their number known on the host: no sync
     (``nonzero`` alone must read the count back from the device)."""
-    if hasattr(torch, "nonzero_static"):
+    try:
         return torch.nonzero_static(mask, size=count).flatten()
-    return mask.nonzero().flatten()
+    except (AttributeError, NotImplementedError, RuntimeError):  # a build without it for this device
+        return mask.nonzero().flatten()
 
 
 class RelaxedRows:
