@@ -34,7 +34,6 @@ allocator cannot hand their memory to the main stream while the side stream read
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
