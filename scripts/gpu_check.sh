@@ -28,9 +28,12 @@ for a in "$@"; do case "$a" in --cpu-smoke|--dry-run) smoke=1 ;; esac; done
 if [ "$smoke" = 0 ] && [ "${EMBRACE_GPU_CHECK_BUILD:-1}" != 0 ] && command -v nvcc >/dev/null 2>&1; then
   # the native check needs the extension with its CUDA kernels; build it in place if missing
   if ! "$PY" -c "import embrace_fairseq._native as m, sys; sys.exit(0 if m.WITH_CUDA else 1)" 2>/dev/null; then
+    # the log goes where the results go ($OUT comes back from a lent machine; /tmp does not)
+    log="${OUT:-/tmp}/embrace_native_build.log"
+    mkdir -p "$(dirname "$log")"
     echo "building the native extension with CUDA kernels (up to 150 s)"
-    timeout 150 "$PY" setup.py build_ext --inplace >/tmp/embrace_native_build.log 2>&1 \
-      || echo "native build failed (see /tmp/embrace_native_build.log): the native check will be skipped"
+    timeout 150 "$PY" setup.py build_ext --inplace >"$log" 2>&1 \
+      || echo "native build failed (see $log): the native checks will be skipped"
   fi
 fi
 exec "$PY" scripts/gpu_check.py "$@"
