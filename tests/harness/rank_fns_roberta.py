@@ -8,8 +8,9 @@ from typing import Any, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-ROBERTA_TINY = ["--encoder-layers", "1", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
-                "--encoder-attention-heads", "2", "--tokens-per-sample", "32"]
+ROBERTA_MODEL = ["--encoder-layers", "1", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+                 "--encoder-attention-heads", "2"]
+ROBERTA_TINY = [*ROBERTA_MODEL, "--tokens-per-sample", "32"]  # masked_lm
 
 
 def setup(data: str, task: str, arch: str, flags: Sequence[str], extra: Sequence[str] = ()):
