@@ -216,6 +216,18 @@ def remove_issue_fence(fence: Callable[[str, Group], None]) -> None:
         _FENCES.remove(fence)
 
 
+class fences_off:
+    """Collectives issued in this ``with`` body, on this thread, pass no fence: the
+    fence's owner's own (the dense pieces, the fence's vote)."""
+
+    def __enter__(self) -> None:
+        self._was = getattr(_FENCE_STATE, "inside", False)
+        _FENCE_STATE.inside = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _FENCE_STATE.inside = self._was
+
+
 def group_label(group: Group = None) -> str:
     """A stable name of ``group``, the same on every rank: torch's group name (a counter
     over the groups created, in creation order) and its ranks."""

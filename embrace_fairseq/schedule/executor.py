@@ -160,7 +160,6 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             gate.add_enter_listener(self._gate_entering)
         # single-thread mode: the host-side vote of the fences, and the fence itself
         self._vote_group = self._vote_group_for(group, self.world_size) if self.single_thread else None
-        self._fenced_off = False
         #: fence votes taken (single-thread mode), for logs and tests
         self.fence_rounds = 0
         #: the parameters (indices) without a gradient in the last reduced step

@@ -82,10 +82,12 @@ class IssueMixin:
 
     def _launch(self, piece) -> None:
         view = self._flat[piece.bucket].narrow(0, piece.start, piece.numel)
-        if self.two_level is not None and view.device.type == "cpu":
-            pending = collectives.all_reduce_two_level_async(view, self.two_level.node_group, self.two_level.rail_group)
-        else:
-            pending = collectives.all_reduce_async(view, self.group)
+        with collectives.fences_off():  # a piece is no other collective to fence
+            if self.two_level is not None and view.device.type == "cpu":
+                pending = collectives.all_reduce_two_level_async(view, self.two_level.node_group,
+                                                                 self.two_level.rail_group)
+            else:
+                pending = collectives.all_reduce_async(view, self.group)
         self._inflight.append((pending, piece))
         with self._issued_cond:
             self._issued[(piece.bucket, piece.index)] = pending
@@ -149,24 +151,22 @@ class IssueMixin:
             p.grad = torch.zeros_like(p)
         self._mark(i)
 
-    def _fence_applies(self, group: Any) -> bool:
-        if not (self.single_thread and self.overlap) or self._deferred or self._fenced_off:
-            return False
-        if group is self.group or group is self._vote_group:
+    def _fence_applies(self) -> bool:
+        if not (self.single_thread and self.overlap) or self._deferred:
             return False
         # inside a backward (the graph task is per thread: the autograd thread only)
         return torch._C._current_graph_task_id() != -1 and bool(self.active())
 
     def _fence(self, op: str, group: Any) -> None:
         """Before another collective of the autograd thread (see the module doc)."""
-        if not self._fence_applies(group):
+        if not self._fence_applies():
             return
         if self.gate is not None and self.gate.busy:
             return  # settled when the gate closed; nothing is issued meanwhile on any rank
         self._settle()
 
     def _gate_entering(self) -> None:
-        if not self._fence_applies(None):
+        if not self._fence_applies():
             return
         self._settle()
 
@@ -182,7 +182,8 @@ class IssueMixin:
         if self._vote_group is None:
             return n
         t = torch.tensor([n], dtype=torch.long)
-        collectives.all_reduce(t, op="max", group=self._vote_group)
+        with collectives.fences_off():
+            collectives.all_reduce(t, op="max", group=self._vote_group)
         return int(t.item())
 
     def _check_not_zeroed(self, i: int) -> None:

@@ -188,3 +188,12 @@ def test_async_inputs_live_until_wait_on_real_ranks():
         assert r["results_ok"], r
         assert r["grad"] == [value] * 8, f"fp16 gradients summed before their division overflow: {r['grad']}"
 
+
+
+def test_cpu_times_stay_host_times(gloo1):
+    # on CPU a collective's issue time is the host's and its end comes from the work's
+    # future; device events are for CUDA only
+    p = C.all_reduce_async(torch.ones(2))
+    p.wait()
+    assert p.issued_us == p.host_issued_us <= p.end_us()
+    assert p.done() and not p._keep and p._finish is None  # nothing held after wait()
