@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import embrace_fairseq.fairseq_adapter  # noqa: F401  (allow-lists fairseq checkpoint globals for torch.load)
 
-from fairseq_corpus import make_multilingual_corpus, run_ds_train, run_fairseq_tool, run_fairseq_train
+from fairseq_corpus import USER_DIR, fairseq_env, make_multilingual_corpus, run_ds_train, run_fairseq_train
 
 PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
 REL = 1e-4
@@ -93,30 +95,50 @@ _HYPO = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
 _POS = re.compile(r"^P-(\d+)\t(.*)$")
 
 
-def generate(data, ckpt, src, tgt, encoder_langtok="src", extra=()):
-    """``fairseq-generate`` of the multilingual task, one process: {sentence id: (score,
-    hypothesis, positional scores)} of the test split, ``src`` -> ``tgt``."""
-    args = [str(data), "--path", str(ckpt), "--task", "translation_multi_simple_epoch", "--lang-pairs", LANG_PAIRS,
-            "--lang-dict", str(data / "langs.txt"), "--source-lang", src, "--target-lang", tgt,
-            "--encoder-langtok", encoder_langtok, "--decoder-langtok", "--gen-subset", "test", "--beam", "3",
-            "--nbest", "1", "--max-tokens", "400", "--max-len-b", "12", "--cpu", *extra]
-    run = run_fairseq_tool("fairseq-generate", args).check()
+_GENERATE_EACH = (
+    "import json, sys\nfrom fairseq_cli.generate import cli_main\n"
+    "for argv in json.loads(sys.stdin.read()):\n"
+    "    print('=== next checkpoint', flush=True)\n"
+    "    sys.argv = ['fairseq-generate', *argv]\n"
+    "    cli_main()\n"
+)
+
+
+def generate(data, ckpts, src, tgt, encoder_langtok="src", extra=()):
+    """``fairseq-generate`` of the multilingual task on each checkpoint (its own entry point,
+    ``cli_main``, once per checkpoint in one process: one import of fairseq), test split,
+    ``src`` -> ``tgt``. Per checkpoint: {sentence id: (score, hypothesis, positional scores)}."""
+    runs = [[str(data), "--path", str(ckpt), "--task", "translation_multi_simple_epoch", "--lang-pairs", LANG_PAIRS,
+             "--lang-dict", str(data / "langs.txt"), "--source-lang", src, "--target-lang", tgt,
+             "--encoder-langtok", encoder_langtok, "--decoder-langtok", "--gen-subset", "test", "--beam", "3",
+             "--nbest", "2", "--max-tokens", "400", "--max-len-b", "12", "--cpu", "--user-dir", str(USER_DIR), *extra]
+            for ckpt in ckpts]
+    proc = subprocess.run([sys.executable, "-c", _GENERATE_EACH], input=json.dumps(runs), capture_output=True,
+                          text=True, env=fairseq_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    outputs = proc.stdout.split("=== next checkpoint\n")[1:]
+    assert len(outputs) == len(ckpts), proc.stdout[-3000:]
+    return [_parse_generation(text, proc.stderr) for text in outputs]
+
+
+def _parse_generation(text, log):
+    """{sentence id: [(score, hypothesis, positional scores) for each of the n best]}"""
     hypos, positional = {}, {}
-    for line in run.stdout.splitlines():
+    for line in text.splitlines():
         if m := _HYPO.match(line):
-            hypos[int(m.group(1))] = (float(m.group(2)), m.group(3))
+            hypos.setdefault(int(m.group(1)), []).append((float(m.group(2)), m.group(3)))
         elif m := _POS.match(line):
-            positional[int(m.group(1))] = [float(x) for x in m.group(2).split()]
-    assert hypos and sorted(hypos) == sorted(positional), run.output[-3000:]
-    return {i: (*hypos[i], positional[i]) for i in hypos}
+            positional.setdefault(int(m.group(1)), []).append([float(x) for x in m.group(2).split()])
+    assert hypos and sorted(hypos) == sorted(positional), text[-2000:] + log[-2000:]
+    return {i: [(*h, p) for h, p in zip(hypos[i], positional[i])] for i in hypos}
 
 
 def assert_same_generation(stock, ours, what):
-    """Same hypotheses; each hypothesis' score and every positional score within 1e-4
-    relative (the checkpoints differ by float rounding)."""
+    """Same n-best hypotheses; each hypothesis' score and every positional score within
+    1e-4 relative (the checkpoints differ by float rounding)."""
     assert sorted(stock) == sorted(ours), what
-    for i in stock:
-        (s_score, s_hyp, s_pos), (o_score, o_hyp, o_pos) = stock[i], ours[i]
+    pairs = [(i, a, b) for i in stock for a, b in zip(stock[i], ours[i], strict=True)]
+    for i, (s_score, s_hyp, s_pos), (o_score, o_hyp, o_pos) in pairs:
         assert o_hyp == s_hyp, f"{what}: sentence {i}: stock {s_hyp!r}, EmbRace {o_hyp!r}"
         assert abs(o_score - s_score) <= REL * abs(s_score), (what, i, s_score, o_score)
         assert len(o_pos) == len(s_pos) and all(
@@ -162,8 +184,7 @@ def test_vocab_parallel_update_freq_then_generate(ml_data, tmp_path):
     assert TOOK_VP in ours.output and TOOK_VP not in stock.output, ours.output[-3000:]
     stock_ckpt, ours_ckpt = tmp_path / "stock" / "checkpoint_last.pt", tmp_path / "ours" / "checkpoint_last.pt"
     assert_same_weights(stock_ckpt, ours_ckpt)
-    want = generate(ml_data, stock_ckpt, "en", "de")
-    got = generate(ml_data, ours_ckpt, "en", "de")
+    want, got = generate(ml_data, [stock_ckpt, ours_ckpt], "en", "de")
     assert_same_generation(want, got, "en -> de")
     assert len(got) == 16
 
@@ -203,7 +224,7 @@ def test_target_langtok_in_encoder_three_ranks_and_generation_both_ways(ml_data,
     assert_same_weights(*ckpts)
     outputs = {}
     for src, tgt in (("de", "en"), ("en", "de")):
-        want, got = (generate(ml_data, c, src, tgt, encoder_langtok="tgt") for c in ckpts)
+        want, got = generate(ml_data, ckpts, src, tgt, encoder_langtok="tgt")
         assert_same_generation(want, got, f"{src} -> {tgt}")
         outputs[src] = got
     assert [v[0] for v in outputs["de"].values()] != [v[0] for v in outputs["en"].values()]
@@ -238,5 +259,5 @@ def test_deepspeed_launcher_same_as_stock(nproc, output, ml_data, tmp_path):
     ckpts = [tmp_path / run / "checkpoint_last.pt" for run in ("stock", "ds")]
     assert_same_weights(*ckpts)
     if nproc == 3:
-        want, got = (generate(ml_data, c, "de", "en") for c in ckpts)
+        want, got = generate(ml_data, ckpts, "de", "en")
         assert_same_generation(want, got, "de -> en after embrace-ds-train")
