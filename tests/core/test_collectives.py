@@ -1,10 +1,13 @@
-"""embrace_fairseq.core.collectives: the placement rule per backend (a pure function, no GPU
-needed), and every wrapper on a real one-rank gloo group in this process."""
+"""embrace_fairseq.core.collectives (and what it re-exports from core/backends.py and
+core/pending.py): the backends by the group's configuration and the placement rule (pure
+functions, no GPU needed), every wrapper on a real one-rank gloo group in this process,
+and the lifetime of an asynchronous collective's tensors (real gloo ranks)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from embrace_fairseq.core import backends
 from embrace_fairseq.core import collectives as C
 
 CPU = torch.device("cpu")
@@ -69,7 +72,7 @@ def test_one_answer_for_which_backend_runs_a_tensor(gloo1, monkeypatch):
     # the group's configuration decides, not its name: the per-device NCCL configuration
     # is seen as NCCL for CUDA tensors, so the dense all-reduce issues from one thread
     monkeypatch.setattr(C.dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
-    monkeypatch.setattr(C, "_cuda_index", lambda: 0)
+    monkeypatch.setattr(backends, "_cuda_index", lambda: 0)
     assert C.backend_for(None, "cuda") == "nccl" and C.issues_from_one_thread(None, "cuda")
     assert C.backend_for(None, "cpu") == "gloo" and not C.issues_from_one_thread(None, "cpu")
     assert C.device_for(None, CUDA1) == torch.device("cuda", 0)
