@@ -27,11 +27,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from embrace_fairseq.core.sharded_embedding import table_of
+from embrace_fairseq.core.errors import UserError
 
 KINDS = ("adam", "adamw", "sgd")
 
 
-class UnsupportedOptimizerError(ValueError):
+class UnsupportedOptimizerError(UserError, ValueError):
     """The framework optimizer's update rule is not one the shard optimizer reproduces."""
 
 
