@@ -8,7 +8,7 @@ Entry point::
     loss = engine(batch); engine.backward(loss); engine.step()
     engine.embrace.summary()   # bytes by kind, hidden communication share (with "trace" set)
 
-Under ZeRO stage 1 (or ``"relaxed_embedding": true``) the table shards are kept out of
+Under ZeRO stages 1 and 2 (or ``"relaxed_embedding": true``) the table shards are kept out of
 DeepSpeed's optimizer (``model_parameters`` is filtered; a client optimizer instance has
 them removed from its param groups) and stepped by ``engine.embrace.shard_optimizer``
 with the same rule and the live hyper-parameters of DeepSpeed's optimizer.

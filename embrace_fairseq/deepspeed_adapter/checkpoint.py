@@ -57,7 +57,7 @@ def checkpoint_globals() -> List[Any]:
     """The classes a launcher checkpoint (and its ``torch.save`` bytes) may hold besides
     tensors and containers: numpy RNG states, DeepSpeed's loss scalers, ZeRO's stage and
     parameter slice mappings, fairseq's ``argparse.Namespace`` arguments (found by listing
-    ``torch.serialization.get_unsafe_globals_in_checkpoint`` of real ZeRO-0/1 checkpoints)."""
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` of real ZeRO-0/1 checkpoints; ZeRO-2's hold the same)."""
     import argparse
 
     out: List[Any] = [argparse.Namespace] + safe_load.numpy_globals()

@@ -13,15 +13,18 @@ reduction over):
   shards (:mod:`embrace_fairseq.optim.grad_norm`), so all ranks clip alike;
 * ``forward``/``backward``/``step`` are timed for the optional trace.
 
-Under ZeRO stage 1 DeepSpeed's optimizer holds only the dense parameters (ZeRO
+Under ZeRO stages 1 and 2 DeepSpeed's optimizer holds only the dense parameters (ZeRO
 partitions every parameter it holds over the ranks; a shard's rows already are) and
-DeepSpeed's own reducer averages the dense gradients. The shards are stepped by a
+DeepSpeed's own reducer averages the dense gradients (stage 1: all-reduce after
+backward; stage 2: reduce-scatter from its gradient hooks during backward, each rank
+keeping its partition). The 2D schedule does not take over there. The shards are stepped by a
 :class:`~embrace_fairseq.optim.shard_optimizer.ShardOptimizer` with the DeepSpeed optimizer's
 rule and current hyper-parameters; ZeRO's global gradient norm (clipping, overflow) is
 extended by the shards' squared norm, and its clip/unscale factor is applied to them.
 
 Non-finite gradients: at every optimizer step each rank's shard gradients and the
-dense gradients are checked, the flags reduced over all ranks. Without fp16 every rank
+dense gradients are checked (at stage 2 the dense ones in DeepSpeed's gradient
+partitions: :mod:`.zero_partitions`), the flags reduced over all ranks. Without fp16 every rank
 raises :class:`~embrace_fairseq.optim.grad_norm.NonFiniteGradientError` (a FloatingPointError)
 naming the parameters and ranks, before any weight changes. With fp16 DeepSpeed's
 skip-step and loss-scale reduction applies, with the overflow decision reduced over all

@@ -8,7 +8,7 @@ fairseq's own. What DeepSpeed must own is overridden here, nothing else:
 * the model fairseq's loop sees (``trainer.model``) is the engine; no DDP wrapper;
 * backward, gradient accumulation (``--update-freq`` is DeepSpeed's
   ``gradient_accumulation_steps``), the gradient reduction (the EmbRace hook's 2D schedule,
-  or ZeRO-1's reducer), clipping and the optimizer step are the engine's;
+  or ZeRO-1/2's reducer), clipping and the optimizer step are the engine's;
 * fairseq's gradient normalisation is kept: every rank's loss is scaled by
   ``world / (sample size summed over ranks and micro-batches)`` before backward, so after
   the engine averages over ranks the gradient is fairseq's ``sum of losses / sample size``;
@@ -20,7 +20,7 @@ fairseq's own. What DeepSpeed must own is overridden here, nothing else:
 Logging outputs are all-reduced over ranks by fairseq's own code, so the logged loss,
 nll_loss, ppl, wps, ups, wpb, bsz are fairseq's. ``gnorm`` is the norm of the averaged
 gradient over dense parameters and every rank's shards (taken by the hook at ZeRO stage 0,
-by ZeRO at stage 1; not logged with the relaxed embedding dependency, whose deferred rows
+by ZeRO at stages 1 and 2; not logged with the relaxed embedding dependency, whose deferred rows
 arrive after the step).
 """
 from __future__ import annotations

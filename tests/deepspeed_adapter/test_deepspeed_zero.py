@@ -60,7 +60,7 @@ def test_nonfinite_gradient_stops_every_rank(stage):
 import rank_fns_zero2 as Z2  # noqa: E402
 
 
-def _assert_zero2_matches(results, cases, steps):
+def _assert_zero2_matches(results, cases, steps, rtol=RTOL):
     """Every rank: EmbRace ZeRO-2 gives stock ZeRO-2's losses, global norms and weights
     within 1e-4; DeepSpeed never held the shard (not in its optimizer, no gradient hook);
     its own reducer partitioned the dense gradients; rank 0 said so once per engine."""
@@ -69,10 +69,10 @@ def _assert_zero2_matches(results, cases, steps):
             ref, got = res[(case, False)], res[(case, True)]
             gas = Z2.CASES[case][2]
             assert len(got["losses"]) == steps * gas and len(got["norms"]) == steps
-            assert _rel(got["losses"], ref["losses"]) < RTOL, (rank, case, got["losses"], ref["losses"])
-            assert _rel(got["norms"], ref["norms"]) < RTOL, (rank, case, got["norms"], ref["norms"])
+            assert _rel(got["losses"], ref["losses"]) < rtol, (rank, case, got["losses"], ref["losses"])
+            assert _rel(got["norms"], ref["norms"]) < rtol, (rank, case, got["norms"], ref["norms"])
             for name in ref["state"]:
-                assert _rel(got["state"][name], ref["state"][name]) < RTOL, (rank, case, name)
+                assert _rel(got["state"][name], ref["state"][name]) < rtol, (rank, case, name)
             # the weights really moved (not a comparison between two untrained models)
             assert _rel(got["state"]["emb.weight"], R.TinyLM(False, True).full_state()["emb.weight"]) > 1e-3
             facts = got["facts"]
@@ -99,17 +99,27 @@ def test_zero2_matches_stock_zero2():
 def test_zero2_matches_stock_zero2_every_case(world):
     """2 and 3 ranks (the vocabulary of 37 divides neither), 6 steps of every case: also
     AdamW with a warm-up schedule from the config and a tied table without clipping."""
-    cases = tuple(Z2.CASES)
+    cases = tuple(Z2.FP32_CASES)
     _assert_zero2_matches(run_ranks(Z2.zero2_run, world, cases, 6, timeout_s=600, pg_timeout_s=180), cases, 6)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where, name", [("shard", "emb.weight"), ("dense", "fc2.weight")])
-def test_zero2_nonfinite_gradient_stops_every_rank(where, name):
+def test_bf16_zero2_matches_stock_within_bf16_rounding():
+    """bf16 + ZeRO-2 on CPU, 2 ranks, 6 steps (tied with accumulation 2, untied), with
+    clipping: losses, norms and weights within 2% relative of stock DeepSpeed (bf16 has
+    8 mantissa bits; the two runs round in different places, as at ZeRO-1)."""
+    cases = tuple(Z2.BF16_CASES)
+    _assert_zero2_matches(run_ranks(Z2.zero2_run, 2, cases, 6, timeout_s=600, pg_timeout_s=180), cases, 6, rtol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, name, bf16", [("shard", "emb.weight", False), ("dense", "fc2.weight", False),
+                                               ("dense", "fc2.weight", True)])
+def test_zero2_nonfinite_gradient_stops_every_rank(where, name, bf16):
     """ZeRO-2, a NaN in the last rank's shard (or dense) gradient at the second step:
     every rank raises FloatingPointError naming the parameter before any weight changes
-    (a dense gradient is named on the rank whose partition holds it)."""
-    results = run_ranks(Z2.nonfinite_zero2_run, 2, where, 1, timeout_s=200, pg_timeout_s=60)
+    (a dense gradient is named on the rank whose partition holds it); also in bf16."""
+    results = run_ranks(Z2.nonfinite_zero2_run, 2, where, 1, bf16, timeout_s=200, pg_timeout_s=60)
     for res in results:
         assert res["error"] is not None and res["isfpe"], res
         assert name in res["error"] and res["unchanged"], res

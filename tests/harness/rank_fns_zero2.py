@@ -37,6 +37,13 @@ CASES = {
     # tied without clipping (the unscale factor is 1: the shards get DeepSpeed's plain step)
     "tied_noclip": (True, 0.0, 1, _adam, {}),
 }
+#: bf16 (compared to bf16 rounding): DeepSpeed accumulates the bf16 gradients' partition in fp32
+BF16_CASES = {
+    "bf16_tied_clip_gas2": (True, 0.05, 2, _adam, {"bf16": {"enabled": True}}),
+    "bf16_untied_clip": (False, 0.05, 1, _adam, {"bf16": {"enabled": True}}),
+}
+CASES.update(BF16_CASES)
+FP32_CASES = [c for c in CASES if c not in BF16_CASES]
 
 
 def _config(clip, gas, extra, stage=2):
@@ -116,9 +123,10 @@ def zero2_run(rank, world, cases, steps=4):
     return res
 
 
-def nonfinite_zero2_run(rank, world, where, nan_rank):
+def nonfinite_zero2_run(rank, world, where, nan_rank, bf16=False):
     """A NaN in one rank's gradient (``where``: "shard" or "dense") at the second step of
-    ZeRO-2 training: every rank raises the same error before the step's update."""
+    ZeRO-2 training (fp32 or bf16, whose dense partition DeepSpeed keeps as one fp32
+    buffer): every rank raises the same error before the step's update."""
     import deepspeed  # noqa: F401  (DeepSpeed's accelerator before the model)
 
     from embrace_fairseq.deepspeed_adapter import initialize
@@ -128,7 +136,8 @@ def nonfinite_zero2_run(rank, world, where, nan_rank):
     torch.set_num_threads(1)
     model = TinyLM(True, False)
     skip_shm_allreduce()
-    engine, *_ = initialize(model=model, optimizer=_adam(model.parameters()), config=_config(0.05, 1, {}))
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    engine, *_ = initialize(model=model, optimizer=_adam(model.parameters()), config=_config(0.05, 1, extra))
     target = model.emb.weight if where == "shard" else model.fc2.weight
     if rank == nan_rank:
         target.register_hook(lambda g: torch.full_like(g, float("nan")) if engine.global_steps == 1 else g)
