@@ -240,6 +240,16 @@ def test_stock_mbart_checkpoint_in_and_out(mbart_data, tmp_path):
     assert gens[0] == gens[1]  # bit for bit: the same weights
     _assert_same_hypotheses(gens[0], gens[2])
 
+    # a third language in --langs: one row more than the checkpoint's table; every rank stops, naming both
+    flags = [*MBART_FT]
+    flags[flags.index("--langs") + 1] = LANGS + ",fr_XX"
+    wrong = run_fairseq_train(_args(data, "embrace_mbart_base", tmp_path / "wrong", flags, restore, 2), nproc=2,
+                              env={"PET_TEE": "3"}, timeout=400)
+    message = "the checkpoint's table has 58 rows but this model's dictionary has 59 entries"
+    assert wrong.returncode != 0 and all(
+        any(message in ln for ln in wrong.output.splitlines() if ln.startswith(f"[default{r}]") or
+            ln.startswith(f"[rank{r}]")) for r in (0, 1)), wrong.output[-3000:]
+
 
 class _WordsAsTokens:
     """The corpus is already in tokens ("w12"): the hub's BPE step is the identity."""
