@@ -66,14 +66,13 @@ def _train(data, arch, save_dir, nproc, extra=(), max_update=8, encoder_langtok=
     return run_fairseq_train(args, nproc=nproc, env=PRECISE, timeout=400).check()
 
 
-def _assert_same(stock, ours, what, n_updates):
-    keys = ("loss", "nll_loss", "gnorm", "accuracy")
-    for key in keys:
+def _assert_same(stock, ours, what, n_updates, gnorm_rel=REL):
+    for key, rel in (("loss", REL), ("nll_loss", REL), ("accuracy", REL), ("gnorm", gnorm_rel)):
         a = [float(r[key]) for r in stock.updates]
         b = [float(r[key]) for r in ours.updates]
         assert len(a) == len(b) == n_updates, (what, key, len(a), len(b), ours.output[-3000:])
         worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
-        assert worst <= REL, f"{what}: {key} differs by {worst:.2e} relative\nstock={a}\nours={b}"
+        assert worst <= rel, f"{what}: {key} differs by {worst:.2e} relative\nstock={a}\nours={b}"
     for key in ("valid_loss", "valid_nll_loss"):
         a, b = float(stock.tagged("valid")[-1][key]), float(ours.tagged("valid")[-1][key])
         assert abs(a - b) <= REL * abs(a), (what, key, a, b)
@@ -255,7 +254,9 @@ def test_deepspeed_launcher_same_as_stock(nproc, output, ml_data, tmp_path):
                       _ds_config(tmp_path, output), nproc=nproc, launcher="torchrun", env=PRECISE).check()
     assert "gradient accumulation 2" in ds.output, ds.output[-3000:]
     assert (TOOK_VP in ds.output) == (output == "vocab-parallel"), ds.output[-3000:]
-    _assert_same(stock, ds, f"embrace-ds-train x{nproc} {output}", 8)
+    # DeepSpeed computes the gradient norm its own way (tests/deepspeed_adapter/test_ds_fairseq_loop.py
+    # holds it to 1e-3 against fairseq-train for the stock model too)
+    _assert_same(stock, ds, f"embrace-ds-train x{nproc} {output}", 8, gnorm_rel=1e-3)
     ckpts = [tmp_path / run / "checkpoint_last.pt" for run in ("stock", "ds")]
     assert_same_weights(*ckpts)
     if nproc == 3:
