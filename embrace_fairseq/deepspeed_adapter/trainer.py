@@ -61,6 +61,8 @@ def expected_sample_size(criterion: Any, sample: Dict[str, Any]) -> float:
     tokens otherwise), known before the forward so the loss can be scaled before backward."""
     if getattr(criterion, "sentence_avg", False):
         return float(sample["target"].size(0))
+    if type(criterion).__name__ == "MaskedLmLoss":  # fairseq's masked_lm: the masked positions
+        return float(sample["target"].ne(criterion.padding_idx).sum())
     return float(sample["ntokens"])
 
 

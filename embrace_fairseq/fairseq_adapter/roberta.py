@@ -19,9 +19,10 @@ checkpoint consumes it, ``embrace-export-stock`` writes it back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -109,12 +110,58 @@ class EmbraceRobertaModel(RobertaModel):
         gen_parser_from_dataclass(parser, EmbraceFlags())
 
     @classmethod
+    def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", bpe="gpt2",
+                        **kwargs):
+        """``RobertaModel.from_pretrained`` (same arguments, same hub interface) that builds a
+        stock ``roberta*`` checkpoint as its EmbRace architecture; EmbRace checkpoints load
+        as they are. fairseq builds the class its saved configuration names, and an
+        ``arch=`` override cannot change that name (``_name`` is every group's key)."""
+        with _stock_loads_as_embrace():
+            return super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, bpe, **kwargs)
+
+    @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
         model = super().build_model(args, task)
         shard_roberta(model, args)
         mark_for_fairseq(model, args)
         return model
+
+
+def _as_embrace(model_cfg: Any) -> None:
+    """Rename a stock ``roberta*`` model configuration to its EmbRace architecture."""
+    from omegaconf import DictConfig, open_dict
+
+    name = getattr(model_cfg, "_name", None)
+    if name not in ROBERTA_ARCHS:
+        return
+    arch = getattr(model_cfg, "arch", None) or name
+    if isinstance(model_cfg, DictConfig):
+        with open_dict(model_cfg):
+            model_cfg._name, model_cfg.arch = ROBERTA_ARCHS[name], ROBERTA_ARCHS.get(arch, arch)
+    else:
+        model_cfg._name, model_cfg.arch = ROBERTA_ARCHS[name], ROBERTA_ARCHS.get(arch, arch)
+
+
+@contextlib.contextmanager
+def _stock_loads_as_embrace() -> Iterator[None]:
+    from fairseq import checkpoint_utils
+
+    load = checkpoint_utils.load_checkpoint_to_cpu
+
+    def load_as_embrace(*args: Any, **kwargs: Any) -> Any:
+        state = load(*args, **kwargs)
+        if state.get("cfg") is not None:
+            _as_embrace(state["cfg"]["model"])
+        elif state.get("args") is not None:
+            _as_embrace(state["args"])
+        return state
+
+    checkpoint_utils.load_checkpoint_to_cpu = load_as_embrace
+    try:
+        yield
+    finally:
+        checkpoint_utils.load_checkpoint_to_cpu = load
 
 
 def _register_architectures() -> None:

@@ -89,13 +89,13 @@ def _train(data, arch, save_dir, nproc, extra=(), max_update=10, script="fairseq
     return run_fairseq_train(args, nproc=nproc, env=PRECISE, timeout=400).check()
 
 
-def _assert_same(stock, ours, what, n=10):
-    for key in ("loss", "gnorm"):
+def _assert_same(stock, ours, what, n=10, gnorm_rel=REL):
+    for key, tol in (("loss", REL), ("gnorm", gnorm_rel)):
         a = [float(r[key]) for r in stock.updates]
         b = [float(r[key]) for r in ours.updates]
         assert len(a) == len(b) == n, (what, key, len(a), len(b))
         worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
-        assert worst <= REL, f"{what}: {key} differs by {worst:.2e} relative\nstock={a}\nours={b}"
+        assert worst <= tol, f"{what}: {key} differs by {worst:.2e} relative\nstock={a}\nours={b}"
         print(f"{what}: {key} worst relative difference {worst:.2e}")
 
 
@@ -147,7 +147,9 @@ def test_embrace_ds_train_same_losses_as_stock(lm_data, tmp_path, nproc, ours_ex
             "--no-save", *ours_extra]
     ds = run_ds_train(lm_data, args, ds_json, nproc=nproc, env=PRECISE).check()
     assert "DeepSpeed engine: ZeRO stage 0" in ds.output, ds.output[-3000:]
-    _assert_same(stock, ds, f"embrace-ds-train roberta x{nproc}")
+    # the DeepSpeed trainer scales the loss before backward: gradient norms within 1e-3, as
+    # tests/deepspeed_adapter/test_ds_fairseq_loop.py holds its stock runs to
+    _assert_same(stock, ds, f"embrace-ds-train roberta x{nproc}", gnorm_rel=1e-3)
 
 
 # ----------------------------------------------------------------------------- fine-tuning, tools, hub
@@ -157,6 +159,8 @@ import json, sys
 import torch
 from fairseq.models.roberta import RobertaModel
 kw = json.loads(sys.argv[4])
+if kw.pop("embrace", False):  # a stock checkpoint built as embrace_roberta
+    from embrace_fairseq.fairseq_adapter.roberta import EmbraceRobertaModel as RobertaModel
 hub = RobertaModel.from_pretrained(sys.argv[1], checkpoint_file=sys.argv[2], data_name_or_path=sys.argv[3], bpe=None, **kw)
 hub.eval()
 tokens = torch.tensor([0, 9, 12, 48, 7, 2])
@@ -169,10 +173,12 @@ print("RESULT " + json.dumps({"features": feats.flatten().tolist(), "logits": lo
 """
 
 
-def _hub(path_dir, ckpt, data, **kw):
+def _hub(path_dir, ckpt, data, trust_pickle=False, **kw):
     env = fairseq_env()
     if "user_dir" not in kw:
         env["PYTHONPATH"] = ""  # stock fairseq only: the plugin cannot even be found
+    if trust_pickle:  # a checkpoint stock fairseq-train wrote (an argparse.Namespace inside): stock's own switch
+        env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     proc = subprocess.run([sys.executable, "-c", _HUB, str(path_dir), ckpt, str(data), json.dumps(kw)], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -188,8 +194,8 @@ def test_stock_checkpoint_fine_tuned_validated_hub_and_exported(lm_data, tmp_pat
     """Stock roberta pretrains (fairseq-train, 1 rank); embrace_roberta fine-tunes it on
     2 ranks with --finetune-from-model for sentence_prediction and stock roberta does the
     same: same losses. fairseq-validate of the EmbRace masked-LM checkpoint equals
-    stock's; the hub interface loads the stock checkpoint into embrace_roberta (arch
-    override, user_dir) with the stock features and logits; the EmbRace checkpoint
+    stock's; the hub interface loads the stock checkpoint into embrace_roberta
+    (EmbraceRobertaModel.from_pretrained) with the stock features and logits; the EmbRace checkpoint
     exported back loads in stock fairseq without the plugin, same outputs."""
     pre = tmp_path / "pre"
     _train(lm_data, "roberta", pre, 1, max_update=6)
@@ -228,10 +234,8 @@ def test_stock_checkpoint_fine_tuned_validated_hub_and_exported(lm_data, tmp_pat
 
     assert losses(v_ours) and losses(v_ours) == losses(v_stock), (v_ours.output[-2000:], v_stock.output[-2000:])
 
-    plain = _hub(pre, "checkpoint_last.pt", lm_data)
-    # fairseq builds the class its configuration's _name names: override both names
-    into_ours = _hub(pre, "checkpoint_last.pt", lm_data, user_dir=str(USER_DIR), arch="embrace_roberta",
-                     _name="embrace_roberta")
+    plain = _hub(pre, "checkpoint_last.pt", lm_data, trust_pickle=True)
+    into_ours = _hub(pre, "checkpoint_last.pt", lm_data, trust_pickle=True, user_dir=str(USER_DIR), embrace=True)
     assert into_ours["class"] == "EmbraceRobertaModel" and plain["class"] == "RobertaModel", into_ours["class"]
     assert _close(plain["features"], into_ours["features"]) and _close(plain["logits"], into_ours["logits"])
     trained = _hub(ours_dir, "checkpoint_last.pt", lm_data, user_dir=str(USER_DIR))
