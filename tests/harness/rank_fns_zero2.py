@@ -154,3 +154,19 @@ def nonfinite_zero2_run(rank, world, where, nan_rank, bf16=False):
         unchanged = all((before[k] == after[k]).all() for k in before)
         return {"error": str(exc), "isfpe": isinstance(exc, FloatingPointError), "unchanged": bool(unchanged)}
     return {"error": None}
+
+
+def relaxed_zero2_run(rank, world, steps=5):
+    """The relaxed embedding dependency at ZeRO-2 (untied and tied, next-batch ids given)
+    against stock DeepSpeed (stage 0, the same math): losses and full weights."""
+    import rank_fns_deepspeed as R
+
+    _ds_env(rank, world)
+    torch.set_num_threads(1)
+    relaxed = dict(R.PIECES, relaxed_embedding=True)
+    out = {}
+    for tied in (False, True):
+        out[("stock", tied)] = R._train_relaxed(rank, world, sharded=False, tied=tied, steps=steps)
+        out[("relaxed", tied)] = R._train_relaxed(rank, world, sharded=True, tied=tied, steps=steps, embrace=relaxed,
+                                                  stage=2)
+    return out
