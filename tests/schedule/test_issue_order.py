@@ -7,6 +7,10 @@ holds rare words: in some steps some ranks see none of them and get no gradient 
 tail's parameters while others do (checked from the runs' ``nograd`` logs). Every rank's
 issue log must be the same line for line (op, group, element count in order), and the
 losses must equal stock ``transformer_lm`` with the same flags.
+
+In one process (a one-rank gloo group): the fence votes before another collective of a
+reducing backward, completes with zeros what a peer already reduced, and raises where
+such a gradient comes after all.
 """
 from __future__ import annotations
 
@@ -14,7 +18,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
+from embrace_fairseq.core import collectives
+from embrace_fairseq.schedule.executor import ScheduledAllReduce
+from embrace_fairseq.schedule.plan import ScheduleOptions, TensorSpec, build_schedule
 from fairseq_corpus import run_fairseq_tool, run_fairseq_train
 
 PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
@@ -103,3 +111,58 @@ def test_one_issue_order_on_two_ranks(rare_tail_data, tmp_path):
 @pytest.mark.slow
 def test_one_issue_order_on_three_ranks(rare_tail_data, tmp_path):
     _same_order_and_losses(rare_tail_data, tmp_path, 3)
+
+
+# --------------------------------------------------------------------------- the fence, in one process
+class _CollectiveInBackward(torch.autograd.Function):
+    """An identity whose backward issues a collective (as an embedding exchange does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        collectives.all_reduce(torch.zeros(1))
+        return grad
+
+
+def _fenced_model(vote_ahead: bool, use_first: bool = True):
+    torch.manual_seed(0)
+    first, second, unused = (torch.nn.Linear(4, 4) for _ in range(3))
+    params = [*first.parameters(), *second.parameters(), *unused.parameters()]
+    specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i) for i, p in enumerate(params)]
+    opts = ScheduleOptions(piece_bytes=64, bucket_bytes=64, max_in_flight=2, compute_bytes_per_s=1e9,
+                           link_bytes_per_s=1e9)
+    red = ScheduledAllReduce(params, build_schedule(specs, opts), None, single_thread=True)
+    if vote_ahead:  # a peer that already issued the whole list (its gradients came earlier)
+        red._vote_max = lambda n: len(red.schedule.issue_order)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    h = first(x) if use_first else x.requires_grad_()
+    loss = second(_CollectiveInBackward.apply(h)).sum()
+    return red, params, loss
+
+
+def test_fence_votes_before_another_collective_of_the_backward(gloo1):
+    red, params, loss = _fenced_model(vote_ahead=False)
+    loss.backward()
+    red.finish()
+    assert red.fence_rounds == 1  # one other collective in the reducing backward: one vote
+    assert red.no_grad_last_step == [4, 5]  # the unused layer: zeros, as every rank reduces it
+    assert all(p.grad is not None for p in params) and not params[4].grad.any()
+
+
+def test_a_fence_completes_missing_gradients_with_zeros(gloo1):
+    # a peer ahead: every bucket is due at the fence; the layers outside this rank's
+    # graph (the first and the unused one) get zeros there, the second its gradient
+    red, params, loss = _fenced_model(vote_ahead=True, use_first=False)
+    loss.backward()
+    red.finish()
+    assert red.fence_rounds == 1 and red.no_grad_last_step == [0, 1, 4, 5]
+    assert not any(params[i].grad.any() for i in (0, 1, 4, 5)) and params[2].grad.abs().sum() > 0
+
+
+def test_a_gradient_after_its_zeros_were_reduced_is_an_error(gloo1):
+    red, params, loss = _fenced_model(vote_ahead=True)
+    with pytest.raises(RuntimeError, match="got its gradient after the ranks agreed"):
+        loss.backward()
