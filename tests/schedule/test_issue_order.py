@@ -104,6 +104,7 @@ def _same_order_and_losses(data: Path, tmp: Path, nproc: int) -> None:
     assert worst <= REL, f"loss differs by {worst:.2e} relative\nstock={a}\nours={b}"
 
 
+@pytest.mark.slow  # two fairseq-train runs (stock and EmbRace); the fences' mechanism is tested by default below
 def test_one_issue_order_on_two_ranks(rare_tail_data, tmp_path):
     _same_order_and_losses(rare_tail_data, tmp_path, 2)
 
