@@ -202,8 +202,9 @@ def test_deepspeed_launcher_same_as_stock(case, mbart_data, denoising_data, tmp_
     assert "gradient accumulation 2" in ds.output, ds.output[-3000:]
     assert (VOCAB_PARALLEL in ds.output) == (ours_extra == FORCED), ds.output[-3000:]
     assert sorted(losses_by_update(ds.output)) == list(range(1, 9))
-    _assert_same(stock, ds, f"embrace-ds-train {task} x{nproc} {' '.join(ours_extra)}",
-                 gnorm_rel=DENOISING_GNORM_REL if task == "denoising" else REL)
+    # gnorm within 1e-3 as in test_ds_fairseq_loop: DeepSpeed steps with torch's AdamW, not
+    # fairseq's Adam, and the rounding apart grows with the updates (1.7e-4 at update 8 here)
+    _assert_same(stock, ds, f"embrace-ds-train {task} x{nproc} {' '.join(ours_extra)}", gnorm_rel=1e-3)
 
 
 @pytest.mark.slow
