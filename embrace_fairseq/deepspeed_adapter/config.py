@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.core.node_topology import EXCHANGES
 from embrace_fairseq.core.shard_plan import LAYOUTS
 
@@ -18,7 +19,7 @@ SECTION = "embrace"
 OUTPUT_MODES = ("auto", "vocab-parallel", "gather")  # as embrace_fairseq.core.vocab_parallel.OUTPUT_MODES
 
 
-class EmbraceConfigError(ValueError):
+class EmbraceConfigError(UserError, ValueError):
     """The ``"embrace"`` section (or its combination with the DeepSpeed config) is invalid."""
 
 

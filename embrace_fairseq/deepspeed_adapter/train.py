@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from embrace_fairseq.guards import one_line_errors
+
 logger = logging.getLogger("embrace_fairseq.deepspeed_adapter.train")
 
 
@@ -190,7 +192,16 @@ def run(cfg: Any, deepspeed: Any = None) -> None:
             hook.close()
 
 
+def _quiet_tensorboardx_notice() -> None:
+    # Importing fairseq's tasks logs "Please install tensorboardX" (its text-to-speech task
+    # wants it; training here never does). The filter must be in place before that import.
+    logging.getLogger("fairseq.tasks.text_to_speech").addFilter(
+        lambda record: "tensorboardX" not in record.getMessage())
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    one_line_errors.install()  # a bad config or flag ends the command with one line
+    _quiet_tensorboardx_notice()
     importlib.import_module("fairseq_cli.train")  # first: it sets up logging as fairseq-train does
     from fairseq.distributed import utils as distributed_utils
 

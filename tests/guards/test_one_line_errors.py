@@ -69,3 +69,20 @@ def test_fairseq_train_refusal_is_one_line(lm_data, tmp_path):
     assert len(lines) == 1, run.stderr[-2000:]
     assert "UnsupportedWithSharding" in lines[0] and "--adaptive-input" in lines[0] and "stock architecture" in lines[0]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.slow  # ~10 s idle: an embrace-ds-train start-up
+def test_ds_train_bad_embrace_key_is_one_line(lm_data, tmp_path):
+    """embrace-ds-train with an unknown key in the "embrace" section: one line naming the
+    key, status 1, no traceback, and no tensorboardX notice."""
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 8, "embrace": {"piece_byte": 1024}}')
+    run = run_fairseq_tool("embrace-ds-train", [
+        str(lm_data), "--task", "language_modeling", "--arch", "embrace_transformer_lm", "--cpu",
+        "--deepspeed-config", str(config), "--max-tokens", "64", "--tokens-per-sample", "16",
+        "--optimizer", "adam", "--lr", "0.001", "--save-dir", str(tmp_path / "ck"), "--max-update", "1"],
+        timeout=120)
+    assert run.returncode == 1, run.output[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("embrace: error")]
+    assert len(lines) == 1 and "EmbraceConfigError" in lines[0] and "piece_byte" in lines[0], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and "tensorboardX" not in run.output, run.output[-3000:]
