@@ -57,7 +57,8 @@ def task_flags(data, encoder_langtok="src"):
 
 @pytest.fixture(scope="module")
 def ml_data(tmp_path_factory):
-    return make_multilingual_corpus(tmp_path_factory.mktemp("ml"), vocab_size=51, n_train=240, n_valid=24, n_test=16)
+    return make_multilingual_corpus(tmp_path_factory.mktemp("ml"), vocab_size=51, n_train=240, n_valid=24, n_test=16,
+                                    in_process=True)
 
 
 def _train(data, arch, save_dir, nproc, extra=(), max_update=8, encoder_langtok="src"):
@@ -132,16 +133,16 @@ def _parse_generation(text, log):
     return {i: [(*h, p) for h, p in zip(hypos[i], positional[i])] for i in hypos}
 
 
-def assert_same_generation(stock, ours, what):
+def assert_same_generation(stock, ours, what, rel=REL):
     """Same n-best hypotheses; each hypothesis' score and every positional score within
-    1e-4 relative (the checkpoints differ by float rounding)."""
+    ``rel`` relative (the checkpoints differ by float rounding)."""
     assert sorted(stock) == sorted(ours), what
     pairs = [(i, a, b) for i in stock for a, b in zip(stock[i], ours[i], strict=True)]
     for i, (s_score, s_hyp, s_pos), (o_score, o_hyp, o_pos) in pairs:
         assert o_hyp == s_hyp, f"{what}: sentence {i}: stock {s_hyp!r}, EmbRace {o_hyp!r}"
-        assert abs(o_score - s_score) <= REL * abs(s_score), (what, i, s_score, o_score)
+        assert abs(o_score - s_score) <= rel * abs(s_score), (what, i, s_score, o_score)
         assert len(o_pos) == len(s_pos) and all(
-            abs(a - b) <= max(REL * abs(a), 1e-4) for a, b in zip(s_pos, o_pos)), (what, i, s_pos, o_pos)
+            abs(a - b) <= max(rel * abs(a), 1e-4) for a, b in zip(s_pos, o_pos)), (what, i, s_pos, o_pos)
 
 
 def _checkpoint_model(path):
@@ -254,11 +255,15 @@ def test_deepspeed_launcher_same_as_stock(nproc, output, ml_data, tmp_path):
                       _ds_config(tmp_path, output), nproc=nproc, launcher="torchrun", env=PRECISE).check()
     assert "gradient accumulation 2" in ds.output, ds.output[-3000:]
     assert (TOOK_VP in ds.output) == (output == "vocab-parallel"), ds.output[-3000:]
-    # DeepSpeed computes the gradient norm its own way (tests/deepspeed_adapter/test_ds_fairseq_loop.py
-    # holds it to 1e-3 against fairseq-train for the stock model too)
+    # DeepSpeed steps with torch's Adam (below): the gradient norms of later updates follow
+    # the slightly different weights (tests/deepspeed_adapter/test_ds_fairseq_loop.py holds
+    # them to 1e-3 against fairseq-train for the stock model too)
     _assert_same(stock, ds, f"embrace-ds-train x{nproc} {output}", 8, gnorm_rel=1e-3)
     ckpts = [tmp_path / run / "checkpoint_last.pt" for run in ("stock", "ds")]
-    assert_same_weights(*ckpts)
+    # DeepSpeed steps with torch's Adam, which adds eps inside the bias correction where
+    # fairseq's Adam adds it outside: elements with near-zero gradients (attention keys)
+    # move differently by up to a fraction of the learning rate (3e-3) per update.
+    assert_same_weights(*ckpts, tol=2e-3)
     if nproc == 3:
         want, got = generate(ml_data, ckpts, "de", "en")
-        assert_same_generation(want, got, "de -> en after embrace-ds-train")
+        assert_same_generation(want, got, "de -> en after embrace-ds-train", rel=1e-2)
