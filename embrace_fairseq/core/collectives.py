@@ -306,18 +306,32 @@ def gather_token_rows_async(rows: torch.Tensor, sizes: Sequence[int], group: Gro
                                    [rows.shape[0]] * world, group)
 
 
-def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
-    """Sum a full-table tensor over ranks and keep this rank's ``sizes[rank]`` rows.
+def reduce_scatter_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None,
+                        scale: float = 1.0) -> torch.Tensor:
+    """Sum a full-table tensor over ranks and keep this rank's ``sizes[rank]`` rows,
+    times ``scale`` (see :func:`sum_row_blocks`).
 
     gloo has no reduce-scatter; an AlltoAll of row blocks and a local sum move the
     same (N-1)/N of the table a ring reduce-scatter would."""
-    return reduce_scatter_rows_async(full, sizes, group).wait()
+    return reduce_scatter_rows_async(full, sizes, group, scale).wait()
 
 
-def reduce_scatter_rows_async(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> Pending:
+def reduce_scatter_rows_async(full: torch.Tensor, sizes: Sequence[int], group: Group = None,
+                              scale: float = 1.0) -> Pending:
     """:func:`reduce_scatter_rows`, asynchronously: :meth:`Pending.wait` returns this
     rank's rows of the sum (the local sum runs where the caller waits)."""
-    return scatter_token_rows_async(full, sizes, group, then=lambda blocks: blocks.sum(0))
+    return scatter_token_rows_async(full, sizes, group, then=lambda blocks: sum_row_blocks(blocks, scale))
+
+
+def sum_row_blocks(blocks: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``blocks.sum(0) * scale``; fp16/bf16 blocks are summed in fp32 and scaled before
+    their one rounding: N ranks' sum may exceed the half range where the 1/N average
+    (what DDP, which divides before it sums, leaves) does not."""
+    if blocks.dtype in (torch.float16, torch.bfloat16):
+        acc = blocks.sum(0, dtype=torch.float32)
+        return (acc.mul_(scale) if scale != 1.0 else acc).to(blocks.dtype)
+    out = blocks.sum(0)
+    return out.mul_(scale) if scale != 1.0 else out
 
 
 def scatter_token_rows(full: torch.Tensor, sizes: Sequence[int], group: Group = None) -> torch.Tensor:
@@ -356,9 +370,7 @@ class _GatherRowsFromGroup(torch.autograd.Function):
     def backward(ctx, grad_full: torch.Tensor):  # type: ignore[override]
         if ctx.on_backward is not None:
             ctx.on_backward(grad_full)
-        grad = reduce_scatter_rows(grad_full, ctx.sizes, ctx.group)
-        if ctx.scale != 1.0:
-            grad.mul_(ctx.scale)
+        grad = reduce_scatter_rows(grad_full, ctx.sizes, ctx.group, ctx.scale)
         return grad, None, None, None, None
 
 

@@ -13,10 +13,12 @@ class InvalidIdError(UserError, ValueError):
 
 
 def validate_ids(ids: torch.Tensor, num_embeddings: int) -> Optional[int]:
-    """First offending id (the smallest invalid one), or None when all are valid."""
+    """First offending id (the smallest invalid one), or None when all are valid.
+
+    One host sync (one read-back of the range; kept: raising is a host decision)."""
     if ids.numel() == 0:
         return None
-    lo, hi = int(ids.min()), int(ids.max())
+    lo, hi = torch.stack(torch.aminmax(ids.long())).tolist()
     if lo < 0:
         return lo
     if hi >= num_embeddings:

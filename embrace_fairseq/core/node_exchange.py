@@ -14,13 +14,14 @@ on every node, see :mod:`~embrace_fairseq.core.node_topology`):
 
 Rows come back the same way: owners answer proxies over the rail, proxies fan the rows
 out inside the node. Backward is the mirror: gradient rows go to the proxy, which sums
-them per unique id, so one summed row per node crosses to the owner. An owner on the
-requester's own node is its own proxy's rail peer on that node (a self-send: no link).
+them per unique id and scales the sum, so one summed row per node crosses to the owner.
+An owner on the requester's own node is its own proxy's rail peer on that node (a
+self-send: no link).
 
 Same rows, same shard gradient as the flat exchange: only the summation order of a
-row's gradient differs (per node first, then over nodes), as between any two all-reduce
-algorithms. The byte ledger records the node hop's bytes as staying on the node and the
-rail hop's as leaving it.
+row's gradient differs (per node first, scaled, then over nodes), as between any two
+all-reduce algorithms. The byte ledger records the node hop's bytes as staying on the
+node and the rail hop's as leaving it.
 
 Errors travel in the headers of both hops (count, flag, first bad id, its rank), so an
 invalid id on any rank stops every rank of every node right after the rail header,
@@ -87,15 +88,21 @@ class NodeExchangePlan:
     def push_grad_rows(self, grad_unique: torch.Tensor, shard_rows: int, scale: float,
                        padding_local: Optional[int] = None) -> torch.Tensor:
         """Gradient rows to the proxies, summed per node, then to the owners: the shard
-        gradient (``scale`` as in :func:`~embrace_fairseq.core.output_dist.push_grad_rows`)."""
+        gradient (``scale`` as in :func:`~embrace_fairseq.core.output_dist.push_grad_rows`).
+
+        The proxy applies ``scale``: it sums its node's rows in fp32 and scales the sum
+        before its one rounding to the row dtype. A node's sum of fp16 rows may exceed the
+        half range where its share of the average (what DDP, which divides before it
+        sums, leaves) does not; the owner then adds the nodes' scaled sums."""
         g = self.groups
         by_proxy = grad_unique.index_select(0, self.order)
         at_proxy = _exchange(by_proxy, self.node_send, self.node_recv, g.node_group, g.local, self.ledgers,
                              K.GRAD_ROWS, False)
-        node_sums = native_ops.scatter_add_rows(at_proxy, self.proxy_inverse, self.proxy_ids, use="per_unique")
+        node_sums = native_ops.scatter_add_rows(at_proxy, self.proxy_inverse, self.proxy_ids, scale,
+                                                use="per_unique")
         at_owner = _exchange(node_sums, self.rail_send, self.rail_recv, g.rail_group, g.node, self.ledgers,
                              K.GRAD_ROWS, True)
-        return native_ops.scatter_add_rows(at_owner, self.requested_local, shard_rows, scale, padding_local)
+        return native_ops.scatter_add_rows(at_owner, self.requested_local, shard_rows, 1.0, padding_local)
 
 
 def _exchange(rows: torch.Tensor, out_counts: List[int], in_counts: List[int], group: collectives.Group,

@@ -50,20 +50,20 @@ def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: 
 
 
 def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:
-    """Sum a full-table gradient (vocabulary order) over ranks and keep this rank's rows
-    (AlltoAll-based: the row blocks per owner are in plan order)."""
+    """Sum a full-table gradient (vocabulary order) over ranks and keep this rank's rows,
+    times ``scale`` (AlltoAll-based: the row blocks per owner are in plan order; fp16/bf16
+    summed in fp32 and scaled before their one rounding)."""
     mark_start(ledgers)
-    grad = collectives.reduce_scatter_rows(plan.to_plan_order(full_grad), plan.sizes, group)
+    grad = collectives.reduce_scatter_rows(plan.to_plan_order(full_grad), plan.sizes, group, scale)
     _record_grad(plan, full_grad, rank, ledgers)
-    if scale != 1.0:
-        grad.mul_(scale)
     return grad
 
 
 def gather_table(shard: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledger) -> torch.Tensor:
     """Shard -> full table as a differentiable tensor; the backward reduce-scatters the
-    table gradient (times ``scale``). This is how a tied output projection reads a
-    sharded table: the same volume as the dense all-reduce DDP would spend on it."""
+    table gradient (times ``scale``, applied before a half gradient's one rounding). This
+    is how a tied output projection reads a sharded table: the same volume as the dense
+    all-reduce DDP would spend on it."""
     ledgers = ledgers_for(ledger)
     _record_gather(plan, shard, ledgers)
     full = collectives.gather_rows_from_group(
@@ -125,9 +125,9 @@ class PendingTableGrads:
         while self._inflight:
             work, recv, _ = self._inflight.pop(0)
             work.wait()
-            grad = recv.view(self.plan.world_size, mine, *recv.shape[1:]).sum(0)
-            if self.scale != 1.0:
-                grad.mul_(self.scale)
+            # fp16/bf16: summed in fp32 and scaled before the one rounding (the N ranks'
+            # sum may overflow the half range where the average does not)
+            grad = collectives.sum_row_blocks(recv.view(self.plan.world_size, mine, *recv.shape[1:]), self.scale)
             with torch.no_grad():
                 if shard.grad is None:
                     shard.grad = grad.to(shard.dtype)

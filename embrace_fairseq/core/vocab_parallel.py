@@ -204,12 +204,12 @@ def logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -
 
 
 def target_logits(z: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """``z_y`` per token where this shard owns the target, else 0."""
-    zy = z.new_zeros(z.shape[0])
-    owned = (col >= 0).nonzero().squeeze(1)
-    if owned.numel():
-        zy[owned] = z[owned, col[owned]]
-    return zy
+    """``z_y`` per token where this shard owns the target, else 0 (a clamped gather and a
+    select: no host sync, where ``nonzero`` waited for the device)."""
+    if z.shape[1] == 0:
+        return z.new_zeros(z.shape[0])
+    zy = z.gather(1, col.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(col >= 0, zy, zy.new_zeros(()))
 
 
 def shard_stats_(z: torch.Tensor, col: torch.Tensor, rows: torch.Tensor, vocab_size: int, *,
@@ -267,9 +267,9 @@ def hidden_grad(q: torch.Tensor, weight: torch.Tensor, col: torch.Tensor, coef: 
     and ``coef = (g_nll + V g_smooth) exp(m_r - logZ)`` (``p = E exp(m_r - logZ)``).
     Overwrites ``q``."""
     dh = q.mul_(coef.unsqueeze(1))
-    owned = (col >= 0).nonzero().squeeze(1)
-    if owned.numel():
-        dh[owned] -= g_nll[owned].unsqueeze(1) * weight[col[owned]]
+    if weight.shape[0]:  # every token's row (clamped), zero where another shard owns y
+        owned = (col >= 0).unsqueeze(1)
+        dh -= torch.where(owned, g_nll.unsqueeze(1) * weight[col.clamp(min=0)], 0.0)
     if g_smooth is not None:
         dh -= g_smooth.unsqueeze(1) * weight.sum(dim=0).unsqueeze(0)
     return dh
@@ -280,9 +280,9 @@ def weight_grad(e: torch.Tensor, hidden: torch.Tensor, col: torch.Tensor, coef: 
     """``dZ^T H`` for the same ``dZ`` (:func:`hidden_grad`), from the numerators ``E``:
     ``E^T (coef H) - onehot_y^T (g_nll H) - sum_t g_smooth H`` (the last on every row)."""
     gw = e.t() @ (hidden * coef.unsqueeze(1))
-    owned = (col >= 0).nonzero().squeeze(1)
-    if owned.numel():
-        gw.index_add_(0, col[owned], hidden[owned] * -g_nll[owned].unsqueeze(1))
+    if gw.shape[0]:  # tokens of other shards add zeros (to row 0)
+        owned = (col >= 0).unsqueeze(1)
+        gw.index_add_(0, col.clamp(min=0), torch.where(owned, hidden * -g_nll.unsqueeze(1), 0.0))
     if g_smooth is not None:
         gw -= (g_smooth @ hidden).unsqueeze(0)
     return gw
