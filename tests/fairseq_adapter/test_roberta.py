@@ -1,12 +1,12 @@
 """``embrace_roberta*`` (RoBERTa / XLM-R) against stock ``roberta``.
 
-In process (default run): one ``masked_lm`` step on 2 ranks, the LM head forced
-vocab-parallel and rank 1's batch without a masked token (it still takes part in every
-collective, or the step would hang): each rank's loss equals the stock model's, and the
-gradients (averaged over ranks, the table's rows on their owners) equal the stock ones;
-then the gather path. The real ``fairseq-train --user-dir user_dir`` on 2 ranks with the
+Default run: the real ``fairseq-train --user-dir user_dir`` on 2 ranks with the
 vocab-parallel head and ``--update-freq 2`` logs the stock per-update losses and
-gradient norms (relative 1e-4). Slow: 3 ranks (uneven shards), the automatic and gather
+gradient norms (relative 1e-4). Slow: in process, one ``masked_lm`` step on 2 and 3
+ranks, the LM head forced vocab-parallel and one rank's batch without a masked token
+(it still takes part in every collective, or the step would hang): each rank's loss
+equals the stock model's, and the gradients (averaged over ranks, the table's rows on
+their owners) equal the stock ones; the gather path; with fairseq-train: 3 ranks (uneven shards), the automatic and gather
 paths, ``embrace-ds-train``, ``sentence_prediction`` fine-tuning from a stock masked-LM
 checkpoint, ``fairseq-validate``, the hub interface, and the export back to stock.
 
@@ -63,6 +63,7 @@ def _check_step(results, world, mode, empty_rank):
         assert res["shard_rows"] == len(range(rank, VOCAB, world))  # strided: 1/N of the rows
 
 
+@pytest.mark.slow  # ~10 s; the default run's fairseq-train test below covers 2 ranks with the vocab-parallel head
 def test_masked_lm_step_empty_rank_two_ranks(dict_dir):
     configs = [dict(mode="vocab-parallel", empty_rank=1), dict(mode="gather", empty_rank=0)]
     results = run_ranks(masked_lm_steps, 2, dict_dir, configs, timeout_s=180)
@@ -200,7 +201,8 @@ def test_stock_checkpoint_fine_tuned_validated_hub_and_exported(lm_data, tmp_pat
     pre = tmp_path / "pre"
     _train(lm_data, "roberta", pre, 1, max_update=6)
     stock_ckpt = pre / "checkpoint_last.pt"
-    cls = make_classification_corpus(tmp_path / "cls", vocab_size=VOCAB - 5, srcdict=lm_data / "dict.txt")
+    cls = make_classification_corpus(tmp_path / "cls", vocab_size=VOCAB - 5, srcdict=lm_data / "dict.txt",
+                                     timeout=400)
     ft = ["--task", "sentence_prediction", "--criterion", "sentence_prediction", "--num-classes", "3",
           "--init-token", "0", "--separator-token", "2", *ROBERTA_MODEL, "--max-positions", "32",
           "--max-tokens", "64", "--finetune-from-model", str(stock_ckpt), "--max-update", "8",
