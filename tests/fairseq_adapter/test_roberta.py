@@ -138,19 +138,21 @@ def test_fairseq_train_more(case, lm_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,ours_extra", [(2, FORCED), (3, [])], ids=["2ranks-vocab-parallel", "3ranks-auto"])
 def test_embrace_ds_train_same_losses_as_stock(lm_data, tmp_path, nproc, ours_extra):
-    """embrace-ds-train (fairseq's loop, the DeepSpeed engine at ZeRO 0) with --update-freq 2
-    against stock roberta under fairseq-train."""
+    """embrace-ds-train (fairseq's loop, the DeepSpeed engine at ZeRO 0) with --update-freq 2:
+    embrace_roberta against stock roberta under the same launcher (relative 1e-4). Stock
+    roberta under embrace-ds-train itself differs from fairseq-train by about 1e-3 in the
+    gradient norm (loss within 1e-4), from the DeepSpeed trainer's scaling before backward,
+    the same for both architectures; that comparison is test_ds_fairseq_loop's."""
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
-    stock = _train(lm_data, "roberta", tmp_path / "stock", nproc, ["--update-freq", "2"])
-    args = ["--arch", "embrace_roberta", *MLM, "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam",
-            "--lr", "0.003", "--seed", "3", "--num-workers", "0", "--max-update", "10", "--update-freq", "2",
-            "--no-save", *ours_extra]
-    ds = run_ds_train(lm_data, args, ds_json, nproc=nproc, env=PRECISE).check()
+    args = [*MLM, "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--lr", "0.003", "--seed", "3",
+            "--num-workers", "0", "--max-update", "10", "--update-freq", "2", "--no-save"]
+    stock = run_ds_train(lm_data, ["--arch", "roberta", *args], ds_json, nproc=nproc, env=PRECISE).check()
+    ds = run_ds_train(lm_data, ["--arch", "embrace_roberta", *args, *ours_extra], ds_json, nproc=nproc,
+                      env=PRECISE).check()
     assert "DeepSpeed engine: ZeRO stage 0" in ds.output, ds.output[-3000:]
-    # the DeepSpeed trainer scales the loss before backward: gradient norms within 1e-3, as
-    # tests/deepspeed_adapter/test_ds_fairseq_loop.py holds its stock runs to
-    _assert_same(stock, ds, f"embrace-ds-train roberta x{nproc}", gnorm_rel=1e-3)
+    assert _took(ds, "vocab-parallel"), ds.output[-3000:]
+    _assert_same(stock, ds, f"embrace-ds-train roberta x{nproc}")
 
 
 # ----------------------------------------------------------------------------- fine-tuning, tools, hub
