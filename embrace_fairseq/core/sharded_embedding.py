@@ -44,6 +44,7 @@ from embrace_fairseq.core.table_dist import (
 from embrace_fairseq.core.agreement import check_same_plan
 from embrace_fairseq.core.process_group import ProcessGroup, resolve_group
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, ShardPlan
+from embrace_fairseq.core.errors import UserError
 
 #: Attribute set on every sharded parameter so adapters can find (and skip) them.
 SHARDED_ATTR = "embrace_sharded"
@@ -504,7 +505,7 @@ class ShardedEmbedding(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 
-class TableSizeMismatch(ValueError):
+class TableSizeMismatch(UserError, ValueError):
     """A checkpoint's table has another number of rows than the model's dictionary gives."""
 
 

@@ -37,6 +37,7 @@ from fairseq.trainer import Trainer
 
 from embrace_fairseq.core.sharded_output import VocabParallelLogits, VocabParallelOutput
 from embrace_fairseq.core.vocab_parallel import GATHER, VOCAB_PARALLEL, label_smoothed_loss
+from embrace_fairseq.core.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ SUPPORTED_CRITERIA = (CrossEntropyCriterion, LabelSmoothedCrossEntropyCriterion,
 _APPLIED = False
 
 
-class VocabParallelUnsupported(ValueError):
+class VocabParallelUnsupported(UserError, ValueError):
     """``--embrace-output vocab-parallel`` with a loss that needs full logits."""
 
 

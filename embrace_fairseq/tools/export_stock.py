@@ -25,6 +25,8 @@ import importlib
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from embrace_fairseq.core.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "embrace_"
@@ -35,7 +37,7 @@ FLAG_PREFIX = "embrace_"  # the model options the EmbRace architectures add
 TRAINING_STATE = ("last_optimizer_state",)
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The checkpoint is not one this command exports."""
 
 
@@ -175,12 +177,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        export(args.checkpoint, args.out, check=not args.no_check)
+        out = export(args.checkpoint, args.out, check=not args.no_check)
     except ExportError as exc:
         parser.exit(2, f"export_stock: {exc}\n")
-    print(f"wrote {args.out}: load it with stock fairseq, no --user-dir "
-          "(fairseq-generate --path, TransformerModel / TransformerLanguageModel / RobertaModel / BARTModel"
-          ".from_pretrained)")
+    if isinstance(out["cfg"]["model"], argparse.Namespace):  # the BART family (NAMESPACE_MODELS)
+        print(f"wrote {args.out}: a stock BART-family checkpoint; like fairseq's own, it loads where "
+              "argparse.Namespace is allowed (with --user-dir user_dir, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)")
+    else:
+        print(f"wrote {args.out}: load it with stock fairseq, no --user-dir "
+              "(fairseq-generate --path, TransformerModel / TransformerLanguageModel / RobertaModel"
+              ".from_pretrained)")
 
 
 if __name__ == "__main__":
