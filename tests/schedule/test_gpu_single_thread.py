@@ -78,9 +78,12 @@ def test_single_thread_gate_defers_pieces_until_the_exchange_is_done(gloo1, monk
     gate.enter()  # an embedding exchange in flight for the whole backward
     model(torch.randn(5, 8)).sum().backward()
     assert not log, "no piece while the gate is closed"
-    gate.leave()  # opens: the ready pieces go now, in order
-    assert len([e for e in log if e[0] == "issue"]) == len(red.schedule.issue_order)
+    gate.leave()  # opens: the ready pieces go now, in order, as far as free credits allow (a
+    # hook never blocks on a credit: the piece holding it may wait for a peer's fence)
+    issued = [e[1] for e in log if e[0] == "issue"]
+    assert len(issued) >= 2 and issued == list(range(len(issued)))  # both credits were free
     red.finish()
+    assert [e[1] for e in log if e[0] == "issue"] == list(range(len(red.schedule.issue_order)))
 
 
 def test_thread_mode_holds_no_lock_across_a_collective(gloo1, monkeypatch):
