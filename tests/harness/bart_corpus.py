@@ -11,13 +11,12 @@ shards are uneven on 3 ranks.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
-from fairseq_corpus import PathLike, _random_sentences, _run, _write_lines, fairseq_env
+from fairseq_corpus import PathLike, _random_sentences, _run, _write_lines, fairseq_env, fresh_corpus
 
 #: the two languages of the mBART corpus (mBART's own codes)
 MBART_LANGS = ("en_XX", "de_DE")
@@ -39,12 +38,7 @@ def make_denoising_corpus(
     splits in ``tmpdir/data-bin``, returned). Documents of three sentences separated by an
     empty line, so ``--sample-break-mode complete_doc`` and ``--permute-sentences`` have
     sentences to permute."""
-    tmp = Path(tmpdir)
-    raw, dest = tmp / "raw", tmp / "data-bin"
-    raw.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(vocab_size)]
+    tmp, raw, (dest,), rng, vocab = fresh_corpus(tmpdir, seed, vocab_size)
     for split, n in (("train", n_train), ("valid", n_valid)):
         lines = []
         for i, s in enumerate(_random_sentences(rng, n, vocab, min_len, max_len)):
@@ -75,13 +69,7 @@ def make_mbart_corpus(
     if len(langs) != 2:
         raise ValueError(f"two languages, got {list(langs)}")
     src, tgt = langs
-    tmp = Path(tmpdir)
-    raw, pre, fine = tmp / "raw", tmp / "pretrain", tmp / "finetune"
-    raw.mkdir(parents=True, exist_ok=True)
-    for folder in (pre, fine):
-        shutil.rmtree(folder, ignore_errors=True)
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(vocab_size)]
+    tmp, raw, (pre, fine), rng, vocab = fresh_corpus(tmpdir, seed, vocab_size, ("pretrain", "finetune"))
     perm = vocab[:]
     rng.shuffle(perm)
     mapping = dict(zip(vocab, perm))

@@ -106,6 +106,20 @@ def _write_lines(path: Path, sentences: Sequence[Sequence[str]]) -> None:
     path.write_text("".join(" ".join(s) + "\n" for s in sentences), encoding="utf-8")
 
 
+
+def fresh_corpus(tmpdir: PathLike, seed: int, vocab_size: int, outputs: Sequence[str] = ("data-bin",)):
+    """What every corpus builder starts from: ``(tmp, raw, output folders, rng, vocab)`` with
+    ``tmp/raw`` created, the output folders under ``tmp`` removed (fairseq-preprocess refuses
+    an existing dictionary), a generator seeded with ``seed`` and the words ``w0``..``w{V-1}``."""
+    tmp = Path(tmpdir)
+    raw = tmp / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    folders = tuple(tmp / name for name in outputs)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return tmp, raw, folders, random.Random(seed), [f"w{i}" for i in range(vocab_size)]
+
+
 def make_translation_corpus(
     tmpdir: PathLike,
     *,
@@ -127,12 +141,7 @@ def make_translation_corpus(
     reversed, so a model can learn something. Raw text goes to ``tmpdir/raw``, binarised data to
     ``tmpdir/data-bin``, which is returned (``train``, ``valid``, ``test`` splits).
     """
-    tmp = Path(tmpdir)
-    raw, dest = tmp / "raw", tmp / "data-bin"
-    raw.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(vocab_size)]
+    tmp, raw, (dest,), rng, vocab = fresh_corpus(tmpdir, seed, vocab_size)
     perm = vocab[:]
     rng.shuffle(perm)
     mapping = dict(zip(vocab, perm))
@@ -169,12 +178,7 @@ def make_lm_corpus(
 
     Returns ``tmpdir/data-bin`` with ``train``, ``valid``, ``test`` splits.
     """
-    tmp = Path(tmpdir)
-    raw, dest = tmp / "raw", tmp / "data-bin"
-    raw.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(vocab_size)]
+    tmp, raw, (dest,), rng, vocab = fresh_corpus(tmpdir, seed, vocab_size)
     for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
         _write_lines(raw / f"{split}.txt", _random_sentences(rng, n, vocab, min_len, max_len))
     cmd = [
@@ -396,13 +400,7 @@ def make_multilingual_corpus(
     if len(langs) != 2:
         raise ValueError(f"two languages, got {list(langs)}")
     first, second = langs
-    tmp = Path(tmpdir)
-    raw, shared, dest = tmp / "raw", tmp / "dict", tmp / "data-bin"
-    raw.mkdir(parents=True, exist_ok=True)
-    for folder in (shared, dest):
-        shutil.rmtree(folder, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(vocab_size)]
+    tmp, raw, (shared, dest), rng, vocab = fresh_corpus(tmpdir, seed, vocab_size, ("dict", "data-bin"))
     perm = vocab[:]
     rng.shuffle(perm)
     mapping = dict(zip(vocab, perm))
@@ -458,12 +456,7 @@ def make_classification_corpus(
     ``tmpdir/data-bin/label`` (the labels ``0`` .. ``num_classes - 1``, their own dictionary).
     A sentence's label is its first word's index modulo ``num_classes``: learnable. Returns
     ``tmpdir/data-bin`` (``train`` and ``valid`` splits)."""
-    tmp = Path(tmpdir)
-    raw, dest = tmp / "raw", tmp / "data-bin"
-    raw.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(dest, ignore_errors=True)  # fairseq-preprocess refuses an existing dictionary
-    rng = random.Random(seed)
-    vocab = [f"w{i}" for i in range(vocab_size)]
+    tmp, raw, (dest,), rng, vocab = fresh_corpus(tmpdir, seed, vocab_size)
     for split, n in (("train", n_train), ("valid", n_valid)):
         sents = _random_sentences(rng, n, vocab, min_len, max_len)
         _write_lines(raw / f"{split}.input0", sents)
