@@ -127,7 +127,7 @@ def _exists(candidate: Path) -> bool:
         return bool(glob.glob(text))
     if candidate.exists() or glob.glob(glob.escape(text) + ".*"):
         return True
-    module = Path(text.split(".", 1)[0]) if "." in candidate.name else candidate
+    module = candidate.with_name(candidate.name.split(".", 1)[0])  # the name only: a folder may hold dots
     return module.with_suffix(".py").exists() or (module / "__init__.py").exists()
 
 
