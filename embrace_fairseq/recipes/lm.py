@@ -4,8 +4,10 @@
 
 Prepares the data (idempotent), trains with ``torchrun ... fairseq-train --user-dir
 user_dir --task language_modeling``, scores the held-out years with ``fairseq-eval-lm``
-and writes ``results/lm[_<arch>].json`` and a loss-curve PNG. ``--arch transformer_lm``
-is the stock model with the same budget.
+and writes ``results/lm[_<arch>].json`` (with the command typed and the commit it ran on)
+and a loss-curve PNG. ``--arch transformer_lm`` is the stock model with the same budget.
+The job reports no set-up or data minutes (its figures do not depend on them), so one
+file per architecture holds its latest run.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from embrace_fairseq.perf.provenance import source_state
 from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, fresh_save_dir, json_records, start_run,
                                           plot_losses, progress_printer, stream, tool, torchrun_train_cmd,
                                           versions)
@@ -72,7 +75,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "valid_loss": [(int(r["valid_num_updates"]), float(r["valid_loss"])) for r in valid],
         "words_per_second": round(sum(wps) / len(wps), 1) if wps else None,
         "wall_seconds": {"total": round(time.time() - t0, 1), "train": round(t_train, 1)},
+        "recipe_command": " ".join(["python -m embrace_fairseq.recipes.lm", *(sys.argv[1:] if argv is None else argv)]),
         "model_args": MODEL_ARGS, "train_command": " ".join(train_cmd), "versions": versions(),
+        "source": source_state(),
     }
     a.results.mkdir(parents=True, exist_ok=True)
     out = a.results / f"lm{tag}.json"

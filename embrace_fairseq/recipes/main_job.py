@@ -7,7 +7,12 @@
    for what the time budget leaves (``--stop-time-hours``) or ``--max-update`` updates,
 3. translates the held-out test modules with ``fairseq-generate``,
 4. scores detokenised output with sacrebleu (BLEU and chrF, with signatures),
-5. writes ``results/main_job[_<arch>].json`` and a loss-curve PNG.
+5. writes ``results/main_job[_<arch>].<kind>.json`` and its loss curve
+   ``results/main_job[_<arch>].<kind>.loss.png``, where the kind of run is ``from_nothing``
+   (this job created the environment or prepared the data) or ``warm`` (both were there):
+   the set-up and data minutes, and so the training minutes the budget leaves, differ by
+   kind, so each kind keeps its own file and a later run of one never overwrites the
+   other. Each file records the command typed and the commit it ran on.
 
 ``--arch transformer --max-update N --time-budget 0`` runs the same recipe with the stock
 architecture for the N updates an EmbRace run reached: same seed, same batches.
@@ -15,6 +20,7 @@ architecture for the N updates an EmbRace run reached: same seed, same batches.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -70,6 +76,39 @@ def training_minutes(budget_min: float, spent_s: float, reserve_min: float = RES
     return max(floor_min, budget_min - spent_s / 60.0 - reserve_min)
 
 
+#: the kinds of run, each with its own results file
+KINDS = ("from_nothing", "warm")
+
+
+def run_kind(environment_built: bool, data_built: bool) -> str:
+    """``from_nothing`` when this job built the environment or the data, else ``warm``.
+
+    >>> run_kind(False, False), run_kind(True, False), run_kind(False, True)
+    ('warm', 'from_nothing', 'from_nothing')
+    """
+    return "from_nothing" if environment_built or data_built else "warm"
+
+
+def results_name(tag: str, kind: str, suffix: str = ".json") -> str:
+    """``main_job[_<arch>].<kind><suffix>``: one file per architecture and kind of run.
+
+    >>> results_name("", "warm"), results_name("_transformer", "from_nothing", ".loss.png")
+    ('main_job.warm.json', 'main_job_transformer.from_nothing.loss.png')
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind of run {kind!r}: one of {', '.join(KINDS)}")
+    return f"main_job{tag}.{kind}{suffix}"
+
+
+def _environment_built_since(start: Optional[float], venv: Path = Path(sys.prefix)) -> bool:
+    """Did ``scripts/setup.sh`` create the environment after ``start`` (the launcher's
+    start)? Its stamp ``.embrace-setup-*`` is written last, once the environment is
+    complete. Without a launcher start the recipe runs inside an existing environment."""
+    if start is None:
+        return False
+    return any(os.path.getmtime(s) >= start for s in glob.glob(str(venv / ".embrace-setup-*")))
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train and evaluate the German-English main job.")
     p.add_argument("--arch", default="embrace_transformer", help="embrace_transformer or the stock transformer")
@@ -79,7 +118,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "training gets what is left after set-up and data; 0: no time limit")
     p.add_argument("--max-update", type=int, default=MAX_UPDATE,
                    help="stop after this many updates if the time budget has not ended training first "
-                        "(for a run to compare with: the updates of results/main_job.json and --time-budget 0)")
+                        "(for a run to compare with: the updates of results/main_job.warm.json and --time-budget 0)")
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / "work_dirs" / "main_job")
     p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
@@ -89,7 +128,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _train(a: argparse.Namespace, data_bin: Path, work: Path, tag: str,
+def _train(a: argparse.Namespace, data_bin: Path, work: Path, earlier: Path,
            train_min: Optional[float]) -> Tuple[List[str], List[str], float, Path]:
     """Run (or, with --skip-train, reread) the documented fairseq-train command, stopped
     after ``train_min`` minutes of training or ``--max-update`` updates:
@@ -108,7 +147,6 @@ def _train(a: argparse.Namespace, data_bin: Path, work: Path, tag: str,
     t1 = time.time()
     if a.skip_train:
         lines = (work / "train.log").read_text().splitlines()
-        earlier = a.results / f"main_job{tag}.json"
         previous = json.loads(earlier.read_text()) if earlier.exists() else {}
         t_train = previous.get("wall_seconds", {}).get("train", 0.0)
     else:
@@ -157,6 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = _parse(argv)
     t0 = time.time()
     t_setup = _setup_seconds(t0)
+    launcher_start = None if t_setup is None else t0 - t_setup
+    data_built = not (a.data / "deen" / "bin").exists()
     tag, work = start_run("main job", a.arch, "embrace_transformer", a.work_dir, a.data, a.skip_data)
     t_data = time.time() - t0
     data_bin = a.data / "deen" / "bin"
@@ -172,7 +212,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if train_min == MIN_TRAIN_MIN:
             print(f"[main job] set-up and data took {spent / 60:.1f} min: training for {MIN_TRAIN_MIN:.0f} min, "
                   f"beyond the {a.time_budget:.0f}-minute budget", flush=True)
-    train_cmd, lines, t_train, ckpt = _train(a, data_bin, work, tag, train_min)
+    built = {"environment": _environment_built_since(launcher_start), "data": data_built}
+    kind_file = work / "run_kind"  # --skip-train evaluates the checkpoint of the run that made it
+    if a.skip_train and kind_file.exists():
+        kind = kind_file.read_text().strip()
+    else:
+        kind = run_kind(built["environment"], built["data"])
+        kind_file.write_text(kind + "\n")
+    out = a.results / results_name(tag, kind)
+    print(f"[main job] kind of run: {kind} (built now: environment {built['environment']}, "
+          f"data {built['data']}); results go to {out}", flush=True)
+    train_cmd, lines, t_train, ckpt = _train(a, data_bin, work, out, train_min)
     inner = json_records(lines, "train_inner")
     valid = json_records(lines, "valid")
     epochs = json_records(lines, "train")
@@ -194,6 +244,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     wps = [float(r["wps"]) for r in inner if "wps" in r and float(r["wps"]) > 0]
     result = {
         "arch": a.arch,
+        "kind": kind,
+        # what this job built before training (the set-up and data minutes depend on it)
+        "built": built,
         "ranks": a.ranks,
         # the last train_inner record is every 5 updates; the epoch's summary has the last one
         "updates": max([int(r["num_updates"]) for r in inner] + [int(r["train_num_updates"]) for r in epochs
@@ -222,11 +275,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "source": source_state(),
     }
     a.results.mkdir(parents=True, exist_ok=True)
-    out = a.results / f"main_job{tag}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     curves = {a.arch: {"train": [(int(r["num_updates"]), float(r["loss"])) for r in inner],
                        "valid": result["valid_loss"]}}
-    png = plot_losses(curves, a.results / f"main_job{tag}_loss.png", f"de-en LibreOffice help, {a.arch}")
+    png = plot_losses(curves, a.results / results_name(tag, kind, ".loss.png"), f"de-en LibreOffice help, {a.arch}")
     print(f"[main job] {b}")
     print(f"[main job] {c}")
     print(f"[main job] signature: {bleu.get_signature()}")

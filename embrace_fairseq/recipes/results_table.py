@@ -2,8 +2,9 @@
 
 ``python -m embrace_fairseq.recipes.results_table [--results results] [--write README.md]``
 
-Prints the table of ``results/main_job.json`` (EmbRace) and
-``results/main_job_transformer.json`` (the stock architecture, same recipe); with
+Prints the table of the main job's results files, one row per architecture and kind of
+run (``results/main_job.from_nothing.json``, ``results/main_job.warm.json``: EmbRace;
+``results/main_job_transformer.warm.json``: the stock architecture, same recipe); with
 ``--write`` replaces the block between the ``main-job-table`` markers of the README, so
 the figures a reader sees are those of the files in the repository, never typed by hand.
 """
@@ -20,10 +21,12 @@ from embrace_fairseq.recipes.common import REPO_ROOT
 BEGIN = "<!-- main-job-table:begin (python -m embrace_fairseq.recipes.results_table --write README.md) -->"
 END = "<!-- main-job-table:end -->"
 
-#: (results file, row label, command a user types where the file does not record its own)
+#: (results file, row label): one row per architecture and kind of run
 RUNS = [
-    ("main_job.json", "EmbRace", "scripts/main_job.sh"),
-    ("main_job_transformer.json", "stock `transformer`", "scripts/main_job.sh --arch transformer"),
+    ("main_job.from_nothing.json", "EmbRace, from nothing"),
+    ("main_job.warm.json", "EmbRace, warm"),
+    ("main_job_transformer.from_nothing.json", "stock `transformer`, from nothing"),
+    ("main_job_transformer.warm.json", "stock `transformer`, warm"),
 ]
 
 
@@ -50,12 +53,16 @@ def render(results: Path) -> str:
     """The markdown table of the main-job results files found under ``results``."""
     rows: List[str] = []
     signature = None
-    for name, label, command in RUNS:
+    for name, label in RUNS:
         path = results / name
         if not path.exists():
             continue
         r = json.loads(path.read_text())
-        rows.append(_row(label, r.get("recipe_command") or command, r))
+        # a figure nobody can trace to its command and code does not go in the table
+        if not r.get("recipe_command") or not (r.get("source") or {}).get("commit"):
+            raise ValueError(f"{path} records no command or no commit (recipe_command, source.commit): "
+                             "rerun the job to regenerate it")
+        rows.append(_row(label, r["recipe_command"], r))
         signature = signature or r.get("bleu_signature")
     if not rows:
         raise FileNotFoundError(f"no main-job results under {results}")
