@@ -31,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the full run's strategies: every stock baseline as its users tune it (fairseq's default
 #: backend c10d, DeepSpeed ZeRO-0/1/2, sparse all-gather), EmbRace at ZeRO-0 (the 2D
 #: schedule) and at ZeRO-1, and the compute-only floor
+FLOOR = "compute_floor"
 FULL_STRATEGIES = ("fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
                    "embrace_schedule", "embrace_zero1", "compute_floor")
 
@@ -60,9 +61,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per launch of the ranks")
     p.add_argument("--cleanup", action="store_true", help="remove leftover namespaces of killed runs and exit")
+    p.add_argument("--regime", default=None,
+                   help="comma list of compute-matched regimes (v100-25g, a100-100g): instead of --gbit, each model's "
+                        "link is set so that c10d's communication over the measured compute-only step equals the "
+                        "released model's on that GPU and network (the floor is timed in the same launch; "
+                        "compute_floor is added to the strategies)")
+    p.add_argument("--calibration-steps", type=int, default=3,
+                   help="compute-only floor steps timed for a regime's calibration (their median; default 3)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin rank r to core r %% (cores this process may use): ranks with a core each")
     a = p.parse_args(argv)
     mode = "quick" if a.quick else "full"
     a.mode = mode
+    if a.regime is not None and a.gbit is not None:
+        p.error("--regime sets the links itself: give it or --gbit, not both")
     a.out = a.out or REPO_ROOT / "results" / "bench" / mode
     a.gbit = [float(x) for x in (a.gbit or ("1" if a.quick else "1,2.5,10")).split(",")]
     a.rounds = a.rounds or (2 if a.quick else 4)
@@ -78,7 +90,31 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         a.strategies = [canonical_strategy(s) for s in a.strategies.split(",") if s]
     except ValueError as exc:
         p.error(str(exc))
+    a.regimes = _regimes(p, a)
+    if a.calibration_steps < 1:
+        p.error(f"--calibration-steps must be at least 1, got {a.calibration_steps}")
     return a
+
+
+def _regimes(p: argparse.ArgumentParser, a: argparse.Namespace) -> List[str]:
+    """The regimes asked for, checked: each known, each model standing for a real one; the
+    floor joins the strategies (the calibration and the limit need it)."""
+    if a.regime is None:
+        return []
+    from embrace_fairseq.perf.simulator.real_models import real_model_of
+    from embrace_fairseq.perf.simulator.regimes import get_regime
+
+    try:
+        names = [get_regime(r).name for r in a.regime.split(",") if r.strip()]
+        for m in a.models:
+            real_model_of(m)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not names:
+        p.error("--regime needs at least one regime name")
+    if FLOOR not in a.strategies:
+        a.strategies.append(FLOOR)
+    return names
 
 
 def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[NC.LinkSpec], tmp: Path,
@@ -93,6 +129,8 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
                       for p in cluster.ranks],
         "ranks_per_node": cluster.ranks_per_node,
         "pg_timeout_s": 600, "profile_steps": 5,
+        "regimes": a.regimes, "calibration_steps": a.calibration_steps,
+        "latency_applied": (not cluster.loopback) and NC.netem_available(),
     }
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -114,7 +152,7 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
         logs.append(log)
         cmd = p.command_prefix() + [sys.executable, "-m", "embrace_fairseq.perf.bench.worker", str(spec_path)]
         procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
-                                      start_new_session=True))
+                                      start_new_session=True, preexec_fn=_pinned(a, p.rank)))
     deadline = time.monotonic() + a.timeout
     try:
         while any(pr.poll() is None for pr in procs):
@@ -141,6 +179,24 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
             raise RuntimeError(f"{model} rank {p.rank} of {cluster.world_size} failed: {res.get('error')}\n{tail}")
         results.append(res)
     return results
+
+
+def pinned_core(rank: int, cores: List[int]) -> int:
+    """The core rank ``rank`` runs on under ``--pin-cores``: ``cores[rank % len(cores)]``.
+
+    >>> pinned_core(0, [0, 1]), pinned_core(3, [0, 1]), pinned_core(2, [4, 5, 6])
+    (0, 1, 6)
+    """
+    return cores[rank % len(cores)]
+
+
+def _pinned(a: argparse.Namespace, rank: int):
+    """With ``--pin-cores``: set the rank's affinity in the child before it runs anything
+    (every thread it starts inherits it); else nothing."""
+    if not a.pin_cores:
+        return None
+    core = pinned_core(rank, sorted(os.sched_getaffinity(0)))
+    return lambda: os.sched_setaffinity(0, {core})
 
 
 def _free_port() -> int:
@@ -193,17 +249,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     a.cache = Path(tempfile.gettempdir()) / "embrace_bench_cache"
     # shared inputs once, before the ranks start (they read the cache)
     prepare_shared_inputs(a.models, a.data, a.cache)
-    links = [NC.LinkSpec(g, a.latency_ms) for g in a.gbit]
+    # regimes: the cluster starts at the first regime's nominal rate; the ranks calibrate
+    # the links after their warm-up and report them
+    from embrace_fairseq.perf.simulator.regimes import get_regime
+
+    links = ([NC.LinkSpec(get_regime(a.regimes[0]).gbit_per_gpu, 0.0)] if a.regimes
+             else [NC.LinkSpec(g, a.latency_ms) for g in a.gbit])
     raw: List[Dict[str, Any]] = []
     for model in a.models:
         for world in a.worlds:
             t0 = time.time()
-            print(f"[bench] {model}: {world} ranks, links {', '.join(l.label() for l in links)} ...", flush=True)
+            named = f"regimes {', '.join(a.regimes)}" if a.regimes else f"links {', '.join(l.label() for l in links)}"
+            print(f"[bench] {model}: {world} ranks, {named} ...", flush=True)
             with tempfile.TemporaryDirectory(prefix="embrace_bench_") as tmp:
                 cluster = NC.Cluster.create(world, links[0], loopback=loopback, ranks_per_node=a.ranks_per_node)
                 try:
                     ranks = _launch(a, model, cluster, links, Path(tmp), a.out / "logs")
                     raw.append({"model": model, "world_size": world, "cluster": cluster.describe(), "ranks": ranks})
+                    if a.regimes:
+                        raw[-1]["calibration"] = ranks[0]["calibration"]
+                        for c in ranks[0]["calibration"]:
+                            print(f"[bench] {model}/w{world}/{c['regime']}: c10d/floor {c['ratio']:.3f} of "
+                                  f"{c['real_model']}, floor {c['floor_s']:.3f} s, scale {c['scale']:.1f}, link "
+                                  f"{c['gbit']:.3g} Gbit/s, latency {c['latency_ms']:.3g} ms "
+                                  f"({'applied' if c['latency_applied'] else 'not applied'})", flush=True)
                 finally:
                     cluster.close()
             print(f"[bench] {model}: {world} ranks done in {time.time() - t0:.0f}s", flush=True)
@@ -219,8 +288,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
         "versions": _versions(), "fallback_loopback": loopback, "fallback_reason": why_not,
         "topology": {"ranks_per_node": a.ranks_per_node},
+        # --pin-cores: rank r on core r % the cores; the cores each rank could run on, as it saw them
+        "pin_cores": a.pin_cores,
+        "rank_cores": {f"{launch['model']}/w{launch['world_size']}": {str(rk["rank"]): rk.get("cores")
+                                                                     for rk in launch["ranks"]} for launch in raw},
+        "regimes": ({"names": a.regimes, "calibration_steps": a.calibration_steps} if a.regimes else None),
         "latency_applied": (not loopback) and NC.netem_available(),
-        "link": {"gbit": a.gbit, "latency_ms": a.latency_ms,
+        "link": {"gbit": [] if a.regimes else a.gbit, "latency_ms": a.latency_ms,
                  "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},
         "schedule": {"warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
                      "interleaving": "every round visits every link speed and on it every strategy for steps_per_round "

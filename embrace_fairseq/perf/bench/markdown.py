@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List, Optional
 
-from embrace_fairseq.perf.bench.keys import run_key
+from embrace_fairseq.perf.bench.keys import record_link, run_key
 from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, STATISTIC_WORDS, ratio_statistic, verdict
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, STRATEGIES, get_strategy
 
@@ -30,6 +30,11 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
     if meta["fallback_loopback"]:
         L.append(f"**FALLBACK: loopback, no emulated links** ({meta['fallback_reason']}). Communication is "
                  "nearly free here; these figures do not show link-bound behaviour.")
+    elif meta.get("regimes"):
+        k = int((meta.get("topology") or {}).get("ranks_per_node", 1))
+        L.append(f"Emulated cluster: one network namespace per {'rank' if k == 1 else f'node of {k} ranks'}, "
+                 f"each link shaped in both directions ({meta['link']['shaping']}) at the rate each regime's "
+                 f"calibration set ({', '.join(meta['regimes']['names'])}; section \"Compute-matched regimes\").")
     else:
         k = int((meta.get("topology") or {}).get("ranks_per_node", 1))
         per = ("one network namespace per rank" if k == 1 else
@@ -47,6 +52,8 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
              + (f", during the run {during['min']:.2f}-{during['max']:.2f} (1-minute load, "
                 f"{during['samples']} samples: after every link of every round)" if during else "") + ". "
              + ("4 ranks oversubscribe the cores: compute is slower than on 4 real nodes." if cpus and cpus < 4 else ""))
+    if meta.get("pin_cores"):
+        L.append("Ranks pinned: rank r runs on core r % the cores (`--pin-cores`).")
     s = meta["schedule"]
     L.append(f"Steps: {s['warmup']} warm-up, then {s['rounds']} rounds x {s['steps_per_round']} timed steps per strategy and link speed, "
              f"interleaved ({s['interleaving']}); step time = slowest rank's, after a barrier. "
@@ -91,8 +98,7 @@ def _run_tables(result: Dict[str, Any]) -> List[str]:
     L = []
     groups: Dict[str, List[Dict[str, Any]]] = {}
     for r in result["runs"]:
-        groups.setdefault(run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]}),
-                          []).append(r)
+        groups.setdefault(run_key(r["model"], r["world_size"], record_link(r)), []).append(r)
     for key, rs in groups.items():
         L.append(f"## {key}")
         L.append("")
@@ -258,9 +264,8 @@ def _nodes(result: Dict[str, Any]) -> List[str]:
          "counter (tx_bytes of the node's veth, headers included: every strategy).", "",
          "| run | strategy | inter-node MB counted (by kind) | NIC MB | median step s |", "|---|---|---|---|---|"]
     order = lambda r: STRATEGIES.index(r["strategy"])  # noqa: E731
-    for r in sorted(runs, key=lambda r: (run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"],
-                                                                               "latency_ms": r["latency_ms"]}), order(r))):
-        key = run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]})
+    for r in sorted(runs, key=lambda r: (run_key(r["model"], r["world_size"], record_link(r)), order(r))):
+        key = run_key(r["model"], r["world_size"], record_link(r))
         inter = r.get("inter_node_bytes_per_node_per_step")
         counted = "-" if inter is None else (f"{sum(inter.values()) / 1e6:.2f} (" + ", ".join(
             f"{kk} {v / 1e6:.2f}" for kk, v in sorted(inter.items(), key=lambda kv: -kv[1]) if v >= 1e3) + ")")
@@ -284,6 +289,61 @@ def _nodes(result: Dict[str, Any]) -> List[str]:
                  f"{c['ring_dense_inter_node_bytes'] / 1e6:.2f} MB; one-ring step / two-level step "
                  f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % paired bootstrap).")
     L.append("")
+    return L
+
+
+def _latency(c: Dict[str, Any]) -> str:
+    value = f"{1e3 * c['latency_ms']:.3g} µs"
+    if c.get("latency_applied"):
+        return value
+    return f"{value}, not applied ({'loopback' if c.get('link_applied') is False else 'no sch_netem'})"
+
+
+def _link(c: Dict[str, Any]) -> str:
+    return f"{c['gbit']:.3g}" + (" (not applied: loopback)" if c.get("link_applied") is False else "")
+
+
+def regimes_section(result: Dict[str, Any]) -> List[str]:
+    """Per workload and regime: the real model, the calibration, the limit and every
+    strategy's step over it."""
+    regimes = result.get("regimes") or {}
+    shapes = result.get("workload_shapes") or {}
+    if not regimes and not shapes:
+        return []
+    conf = 100 * result.get("confidence", 0.95)
+    L = ["## Compute-matched regimes", ""]
+    if regimes:
+        L += ["Each regime fixes c10d's communication over the compute-only step of the real model the workload "
+              "stands for (the simulator: its gradients all-reduced by ring in fp16, the regime's latency per "
+              "message step, over forward + backward + optimizer at the regime's rates). The link is set so that "
+              "the bench's c10d bytes (fp32, `perf.bounds`) take that share of the floor measured at the start of "
+              "the launch; scale = measured floor / real floor, the latency scaled alike. The limit = max(floor, "
+              "least minimum bytes of the run's strategies / link), per timed step of the floor (the mean shown).",
+              "", "| run | real model | c10d / floor (real) | floor s (measured) | scale | link Gbit/s | latency | "
+              "limit s | bound by |", "|---|---|---|---|---|---|---|---|---|"]
+        for key, c in regimes.items():
+            lim = c.get("limit") or {}
+            L.append(f"| {key} | {c['real_model']} | {c['ratio']:.3f} | {c['floor_s']:.3f} | {c['scale']:.1f} | "
+                     f"{_link(c)} | {_latency(c)} | "
+                     + (f"{lim['limit_s']:.3f} | {lim['bound_by']} ({_mb(lim['min_bytes'])} MB of "
+                        f"{get_strategy(lim['min_bytes_of']).short} in {lim['min_bytes_over_link_s']:.3f} s) |"
+                        if lim else "- | - |"))
+        L += ["", f"Step over the limit ({_of(result)}; {conf:.0f} % paired-bootstrap interval):", "",
+              "| run | strategy | step / limit |", "|---|---|---|"]
+        for key, c in regimes.items():
+            over = (c.get("limit") or {}).get("over_limit") or {}
+            for s in sorted(over, key=STRATEGIES.index):
+                L.append(f"| {key} | {get_strategy(s).label} | {over[s]['ratio']:.2f}{_interval(over[s])} |")
+        L.append("")
+        for real in dict.fromkeys((c["real_model"], c.get("real_model_description", "")) for c in regimes.values()):
+            L.append(f"- {real[0]}: {real[1]}")
+        L.append("")
+    if shapes:
+        L.append("Workload shapes:")
+        L.append("")
+        for m, shape in shapes.items():
+            L.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
+        L.append("")
     return L
 
 
@@ -354,7 +414,7 @@ def _strategies(result: Dict[str, Any]) -> List[str]:
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
     L = _setup(result["meta"]) + _strategies(result) + _profiles(result) + _run_tables(result) + _layouts(result)
     L += _ablation(result) + attainable_section(result.get("attainable") or {}, 100 * result.get("confidence", 0.95))
-    L += _nodes(result) + _goal(result) + simulator_section(result)
+    L += _nodes(result) + regimes_section(result) + _goal(result) + simulator_section(result)
     L.append(f"Ratios are (other strategy's step) / ((e)'s step), each the {_of(result)}. 'loss drift' = largest relative "
              "difference of the per-step loss from legacy_ddp's (without it in the run: the first strategy other than the floor's) on the same batches (all strategies are the same "
              "synchronous SGD). Bytes: what one rank sends per step under ring/direct algorithms, from EmbRace's "

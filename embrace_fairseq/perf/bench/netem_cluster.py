@@ -146,13 +146,22 @@ def namespaces_available() -> Optional[str]:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """Per-node link: rate in Gbit/s, one-way node-to-node latency in ms."""
+    """Per-node link: rate in Gbit/s, one-way node-to-node latency in ms; ``regime``: the
+    compute-matched regime the link was calibrated for (it names the link then)."""
 
     gbit: float
     latency_ms: float
+    regime: Optional[str] = None
 
     def label(self) -> str:
-        return f"{self.gbit:g}gbit_{self.latency_ms:g}ms"
+        return self.regime or f"{self.gbit:g}gbit_{self.latency_ms:g}ms"
+
+    def as_dict(self) -> Dict[str, object]:
+        """What a result records of the link (a regime's name only where there is one)."""
+        d: Dict[str, object] = {"gbit": self.gbit, "latency_ms": self.latency_ms}
+        if self.regime:
+            d["regime"] = self.regime
+        return d
 
 
 @dataclass
@@ -344,7 +353,8 @@ def tbf_burst_bytes(gbit: float) -> int:
 
 def _shape(netns: str, dev: str, link: LinkSpec) -> None:
     delay_us = max(0, int(round(link.latency_ms * 1000 / 2)))
-    rate = f"{int(link.gbit * 1000)}mbit"
+    # kbit: a calibrated rate is any real number (tc takes integers)
+    rate = f"{max(1, int(round(link.gbit * 1e6)))}kbit"
     tbf = ["tbf", "rate", rate, "burst", str(tbf_burst_bytes(link.gbit)), "latency", "50ms"]
     _run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], check=False)
     if netem_available() and delay_us > 0:

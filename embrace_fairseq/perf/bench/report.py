@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from embrace_fairseq.perf.bench.attainable import OVER_FIFO, cores_of, machine_limits
-from embrace_fairseq.perf.bench.keys import link_key, run_key  # noqa: F401  (re-exported)
+from embrace_fairseq.perf.bench.calibration import limit_steps
+from embrace_fairseq.perf.bench.keys import link_key, record_link, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
 from embrace_fairseq.perf.bench.workloads import tied_tables
@@ -150,7 +151,7 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
     wire_node = None if any(x is None for x in wire) else statistics.fmean(wire)
     return {
         "model": model, "world_size": world, "link_gbit": link["gbit"], "latency_ms": link["latency_ms"],
-        "strategy": name, "median_step_s": statistics.median(step_s), "step_s": step_s,
+        "regime": link.get("regime"), "strategy": name, "median_step_s": statistics.median(step_s), "step_s": step_s,
         "tokens_per_s": tokens / sum(step_s),
         # CPU time the ranks' processes used per step, all their threads, summed over ranks:
         # on ranks that share cores, work that any rank adds slows every rank's step
@@ -173,8 +174,7 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
 
 
 def _by_key(runs: List[Dict[str, Any]]) -> Dict[Tuple[str, str], Dict[str, Any]]:
-    return {(run_key(r["model"], r["world_size"], {"gbit": r["link_gbit"], "latency_ms": r["latency_ms"]}),
-             r["strategy"]): r for r in runs}
+    return {(run_key(r["model"], r["world_size"], record_link(r)), r["strategy"]): r for r in runs}
 
 
 def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, float]]]:
@@ -300,6 +300,50 @@ def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def regime_check(runs: List[Dict[str, Any]], calibrations: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Per run key calibrated to a regime: the calibration (real model, measured floor,
+    scale, link, latency) and the limit: per timed step of the floor, the floor's step or
+    the least minimum bytes of the run's strategies (EmbRace's) over the link, whichever is
+    longer (:func:`.calibration.limit_steps`); each strategy's step over it, with the
+    paired-bootstrap interval (step ``i`` against the limit of the floor's step ``i``)."""
+    by = _by_key(runs)
+    out: Dict[str, Any] = {}
+    for key, cal in calibrations.items():
+        per = {s: r for (k, s), r in by.items() if k == key}
+        floor = per.get(FLOOR)
+        entry: Dict[str, Any] = dict(cal, limit=None)
+        mins = {s: r["min_bytes_per_rank_per_step"] for s, r in per.items()
+                if s != FLOOR and r.get("min_bytes_per_rank_per_step") is not None}
+        if floor is not None and mins:
+            least = min(mins, key=mins.get)
+            steps = limit_steps(floor["step_s"], mins[least], floor["link_gbit"])
+            wire_s = mins[least] / (floor["link_gbit"] * 1e9 / 8)
+            limit = statistics.fmean(steps)
+            entry["limit"] = {
+                "limit_s": limit, "limit_steps_s": steps, "floor_s": statistics.fmean(floor["step_s"]),
+                "min_bytes": mins[least], "min_bytes_of": least, "min_bytes_over_link_s": wire_s,
+                "bound_by": "link" if wire_s > statistics.fmean(floor["step_s"]) else "compute",
+                "over_limit": {s: paired_ratio_interval(r["step_s"], steps) for s, r in per.items()},
+            }
+        out[key] = entry
+    return out
+
+
+def workload_shapes(models: List[str]) -> Dict[str, Any]:
+    """Each workload's shape, where :mod:`.workloads` describes them (``workload_shape``)."""
+    from embrace_fairseq.perf.bench import workloads as W
+
+    if not hasattr(W, "workload_shape"):
+        return {}
+    out = {}
+    for m in models:
+        try:
+            out[m] = W.workload_shape(m)
+        except Exception as exc:  # noqa: BLE001  (a shape it cannot give is said, the results kept)
+            out[m] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
     meta = dict(meta, bounds="perf.bounds.min_bytes_per_step", ratio_statistic=RATIO_STATISTIC)
@@ -353,7 +397,11 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         # (None: untied); a run's own recorded bytes say it per world size
         pm["tied_output"] = statistics.mode(pm.pop("_paths") or [None])
     intervals = _ratio_intervals(runs)
+    calibrations = {run_key(launch["model"], launch["world_size"], {"regime": c["regime"]}): c
+                    for launch in raw for c in launch.get("calibration") or []}
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
+              "regimes": regime_check(runs, calibrations),
+              "workload_shapes": workload_shapes(list(dict.fromkeys(launch["model"] for launch in raw))),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
               "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),
               "attainable": attainable_check(runs, meta),

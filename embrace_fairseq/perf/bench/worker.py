@@ -22,12 +22,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
 from embrace_fairseq.perf.strategies import REFERENCE, get_strategy
+
+FLOOR = "compute_floor"
 
 def _tx_bytes(path: str) -> float:
     try:
@@ -192,12 +194,18 @@ def _rotated(items: List[Any], r: int) -> List[Any]:
 
 
 def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, counter: Any,
-             tx_path: str, links: List[Any], world: int) -> List[Dict[str, Any]]:
+             tx_path: str, links: List[Any], world: int,
+             calibration: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     """Warm-up on the first link, then the rounds: in each round every link (order rotated
     each round) and on it every strategy (order rotated each round) takes its timed steps,
     so the machine's drift hits every link and strategy alike. A record per link and
-    strategy; the machine's 1-minute load average after every link of every round."""
+    strategy; the machine's 1-minute load average after every link of every round.
+    With regimes in the spec the links are calibrated after the warm-up (:func:`_calibrate`;
+    filled into ``calibration``)."""
     from embrace_fairseq.core.ledger import global_ledger
+    from embrace_fairseq.perf.bench.netem_cluster import LinkSpec
+
+    calibration = [] if calibration is None else calibration
 
     _set_link(spec, links[0], rank, world, initial=True)
     _log(rank, f"warm-up on {links[0].label()}")
@@ -208,6 +216,10 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
     for s in built.values():
         if s.hook is not None:
             s.hook.tracer.clear()
+    if spec.get("regimes"):  # the links come from the floor measured now
+        calibration[:] = _calibrate(spec, built, batches, rank, world, counter)
+        links = [LinkSpec(gbit=c["gbit"], latency_ms=c["latency_ms"], regime=c["regime"]) for c in calibration]
+        _set_link(spec, links[0], rank, world)
     names = list(spec["strategies"])
     per = {(li, n): _record() for li in range(len(links)) for n in names}
     load: Dict[int, List[float]] = {li: [] for li in range(len(links))}
@@ -225,9 +237,49 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
                 if built[name].hook is not None:
                     rec["trace_events"].extend(built[name].hook.tracer.take())
             load[li].append(os.getloadavg()[0])
-    return [{"link": {"gbit": l.gbit, "latency_ms": l.latency_ms},
+    return [{"link": l.as_dict(),
              "strategies": {n: _entry(spec, n, per[(li, n)], built, l, world) for n in names},
              "load_1min": load[li]} for li, l in enumerate(links)]
+
+
+def _calibrate(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, world: int,
+               counter: Any) -> List[Dict[str, Any]]:
+    """The regimes' links for this model and world (:mod:`.calibration`): the compute-only
+    floor timed for a few steps, each between two barriers (so rank 0's clock holds the
+    slowest rank's step), rank 0 computes the links, every rank takes rank 0's."""
+    import torch.distributed as dist
+
+    from embrace_fairseq.core.collectives import all_gather_object
+    from embrace_fairseq.perf.bench import workloads as W
+    from embrace_fairseq.perf.bench.calibration import calibrate
+
+    floor = built[FLOOR]
+    first = floor.steps_done
+    times = []
+    counter.enabled = False
+    for _ in range(spec.get("calibration_steps", 3)):
+        batch = batches.get(floor.steps_done, rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        floor.step(batch)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    # the timed rounds pair step i of every strategy with batch i: the floor starts them
+    # where the others do (it trains on these batches again; its losses are its own anyway)
+    floor.steps_done = first
+    links: List[Dict[str, Any]] = []
+    if rank == 0:
+        w = W.workloads(spec["quick"])[spec["model"]]
+        params = dict(floor.module.named_parameters())
+        tables = [{"vocab": int(params[t].shape[0]), "dim": int(params[t].shape[1])} for t in w.tables]
+        dense = int(sum(p.numel() for n, p in params.items() if n not in w.tables))
+        links = calibrate(spec["model"], world, times, tables, dense, spec["regimes"], spec["latency_applied"],
+                          link_applied=not spec["loopback"])
+        _log(rank, "calibrated links: " + ", ".join(f"{c['regime']} {c['gbit']:.3g} Gbit/s" for c in links)
+             + f" (floor {statistics.median(times):.3f} s)")
+    links = all_gather_object(links)[0]
+    counter.take()
+    return links
 
 
 def run(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -252,10 +304,14 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     build_s = time.perf_counter() - t_build
     _log(rank, f"built {len(built)} strategies in {build_s:.0f}s")
     tx_path = RankPlacement(**spec["placement"][rank]).tx_bytes_path()
-    results: Dict[str, Any] = {"rank": rank, "world_size": world, "build_s": build_s, "links": []}
+    results: Dict[str, Any] = {"rank": rank, "world_size": world, "build_s": build_s, "links": [],
+                               "cores": sorted(os.sched_getaffinity(0))}
+    calibration: List[Dict[str, Any]] = []
     with counting(counter):
         results["links"] = _measure(spec, built, batches, rank, counter, tx_path,
-                                    [LinkSpec(**d) for d in spec["links"]], world)
+                                    [LinkSpec(**d) for d in spec["links"]], world, calibration)
+    if spec.get("regimes"):
+        results["calibration"] = calibration
     # compute profile: one process at a time, no communication (rank 0; the others wait)
     dist.barrier()
     if rank == 0:

@@ -41,31 +41,35 @@ def _dec_layer(d: int, f: int, cross: bool = True) -> int:
 
 
 def _gpu_profile(name, vocab, dim, layers, tokens, lookups, ctx, n_layers_attn, tied, zipf_s, output_numel_compute,
-                 output_tokens=None, extra_params=0) -> Profile:
+                 output_tokens=None, extra_params=0, *, flops: float = GPU_SUSTAINED_FLOPS,
+                 memory_bytes_per_s: float = GPU_MEMORY_BYTES_PER_S, element_size: int = 2) -> Profile:
     dense = sum(n for _, n in layers)
     out_tokens = output_tokens or tokens
     # training FLOPs: 6 per parameter per token (2 forward, 4 backward), plus attention
     # scores 6 * layers * ctx * d per token, plus the output layer over its tokens
-    flops = 6.0 * (dense - extra_params) * tokens + 6.0 * n_layers_attn * ctx * dim * tokens
-    flops += 6.0 * output_numel_compute * out_tokens
-    fwd = flops / 3 / GPU_SUSTAINED_FLOPS
+    train_flops = 6.0 * (dense - extra_params) * tokens + 6.0 * n_layers_attn * ctx * dim * tokens
+    train_flops += 6.0 * output_numel_compute * out_tokens
+    fwd = train_flops / 3 / flops
     params = dense + vocab * dim
-    opt = params * ADAM_BYTES_PER_PARAM / GPU_MEMORY_BYTES_PER_S
+    opt = params * ADAM_BYTES_PER_PARAM / memory_bytes_per_s
     return Profile(
         name=name, vocab=vocab, dim=dim, dense_layers=layers, tokens_per_rank=lookups, forward_s=fwd,
-        backward_s=2 * fwd, optimizer_s=opt, tied_output=tied, element_size=2, id_size=4, zipf_s=zipf_s,
+        backward_s=2 * fwd, optimizer_s=opt, tied_output=tied, element_size=element_size, id_size=4, zipf_s=zipf_s,
         output_tokens_per_rank=out_tokens,
     )
 
 
-def paper_profiles() -> Dict[str, Profile]:
-    """The paper's three model families at their usual sizes (fp16 gradients)."""
+def paper_profiles(flops: float = GPU_SUSTAINED_FLOPS, memory_bytes_per_s: float = GPU_MEMORY_BYTES_PER_S,
+                   element_size: int = 2) -> Dict[str, Profile]:
+    """The paper's three model families at their usual sizes (fp16 gradients), on a GPU
+    sustaining ``flops`` with ``memory_bytes_per_s`` for the optimizer step."""
+    rates = dict(flops=flops, memory_bytes_per_s=memory_bytes_per_s, element_size=element_size)
     d, f = 512, 2048
     tr_layers = [(f"encoder.layers.{i}", _enc_layer(d, f)) for i in range(6)]
     tr_layers += [(f"decoder.layers.{i}", _dec_layer(d, f)) for i in range(6)]
     transformer = _gpu_profile(
         "transformer_base_wmt_en_de", 32768, d, tr_layers, tokens=3500, lookups=7000, ctx=30, n_layers_attn=18,
-        tied="gather", zipf_s=1.0, output_numel_compute=32768 * d,
+        tied="gather", zipf_s=1.0, output_numel_compute=32768 * d, **rates,
     )
     d, f, L = 1024, 4096, 16
     lm_layers = [(f"decoder.layers.{i}", _dec_layer(d, f, cross=False)) for i in range(L)]
@@ -76,7 +80,7 @@ def paper_profiles() -> Dict[str, Profile]:
     lm_layers += [("decoder.adaptive_softmax", head + tail1 + tail2)]
     lm = _gpu_profile(
         "transformer_lm_wikitext103_267k", 267744, d, lm_layers, tokens=3072, lookups=3072, ctx=512, n_layers_attn=L,
-        tied=None, zipf_s=1.0, output_numel_compute=0,
+        tied=None, zipf_s=1.0, output_numel_compute=0, **rates,
     )
     d, f = 768, 3072
     bert_layers = [("embeddings.position_type_norm", 512 * d + 2 * d + 2 * d)]
@@ -84,7 +88,7 @@ def paper_profiles() -> Dict[str, Profile]:
     bert_layers += [("pooler", d * d + d), ("cls.predictions.transform", d * d + d + 2 * d + 30522)]
     bert = _gpu_profile(
         "bert_base", 30522, d, bert_layers, tokens=4096, lookups=4096, ctx=128, n_layers_attn=12, tied="gather",
-        zipf_s=1.0, output_numel_compute=30522 * d, output_tokens=int(0.15 * 4096), extra_params=512 * d,
+        zipf_s=1.0, output_numel_compute=30522 * d, output_tokens=int(0.15 * 4096), extra_params=512 * d, **rates,
     )
     return {p.name: p for p in (transformer, lm, bert)}
 
