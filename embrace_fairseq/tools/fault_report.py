@@ -121,7 +121,7 @@ def markdown(records: List[Dict[str, Any]]) -> str:
         "python -m embrace_fairseq.tools.fault_report --slow   # all scenarios, soak included (or scripts/fault_suite.sh)",
         "```",
         "",
-        f"{passed} of {len(records)} scenarios pass. *Detect* is the time from the fault to the last",
+        f"{passed} of {len(records)} scenarios pass (`docs/reliability.json`). *Detect* is the time from the fault to the last",
         "rank reacting (exit or error), where the test measures it; for bad input found at start-up",
         "or in the first batch it is the whole run until the error, process start included. *s* is",
         "the test's own wall time, on a 2-core CPU machine, at times shared with other jobs",
