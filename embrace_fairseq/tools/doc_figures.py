@@ -9,10 +9,11 @@ The convention a page follows:
   code span: a file (`results/main_job.warm.json`, `results/bench/full/summary.md`) or a
   folder (`results/bench/vp_w4`: every .json and .md under it); once a folder is cited
   in full, later code spans may name it by its last part (`vp2_w4`). A table's sources
-  are those its rows cite plus those of the paragraph just above it.
-* A sentence (a table row) takes its figures from the sources it cites itself (a
-  comparison names both runs), else from one of its paragraph's sources: figures of two
-  runs do not share a sentence that does not name them.
+  are those its rows cite plus those of the paragraph just above it. A heading that cites
+  results gives them to every paragraph of its section that cites none.
+* A sentence takes its figures from the sources it cites itself (a comparison names both
+  runs), else from one of its paragraph's sources: figures of two runs do not share a
+  sentence that does not name them. A table row takes them from any source of its table.
 * A figure is a number with a unit or a ratio mark (``1.06x``, ``12.3 %``, ``0.75 s``,
   ``28.2 min``, ``4.27 MB``, ``2,267 updates``), an interval ``[1.02, 1.09]`` and the estimate before it, or
   the number after BLEU, chrF, perplexity or loss; both ends of a range ``1.39-1.64x``.
@@ -120,20 +121,28 @@ def _drop_marker_block(text: str) -> str:
 
 
 def _blocks(text: str) -> List[Block]:
+    """Paragraphs, list items, tables and headings (one line each), in page order."""
     blocks: List[Block] = []
     current: List[str] = []
     start = 1
-    for i, line in enumerate(text.split("\n") + [""], start=1):
-        starts_item = bool(re.match(r"\s*(?:[*-]|\d+\.) ", line))  # each list item is a paragraph
-        if not line.strip() or starts_item or (current and line.lstrip().startswith("|") != current[0].lstrip().startswith("|")):
-            if current:
-                blocks.append(Block(start, current, current[0].lstrip().startswith("|")))
-            current = [line] if line.strip() else []
-            start = i
-        else:
+
+    def close() -> None:
+        if current:
+            blocks.append(Block(start, list(current), current[0].lstrip().startswith("|")))
+            current.clear()
+
+    for i, line in enumerate(text.split("\n"), start=1):
+        is_row = line.lstrip().startswith("|")
+        new_item = bool(re.match(r"\s*(?:[*-]|\d+\.) ", line)) or line.startswith("#")
+        if not line.strip() or new_item or (current and is_row != current[0].lstrip().startswith("|")):
+            close()
+        if line.strip():
             if not current:
                 start = i
             current.append(line)
+            if line.startswith("#"):
+                close()
+    close()
     return blocks
 
 
@@ -156,35 +165,58 @@ class Sources:
         return known.get(token)
 
     @lru_cache(maxsize=None)
-    def numbers(self, source: str) -> Tuple[float, ...]:
+    def streams(self, source: str) -> Tuple[Tuple[float, ...], ...]:
+        """The numbers of each file of ``source``, in file order (signs dropped)."""
         path = self.root / source
         files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".md")) if path.is_dir() else [path]
-        values: Set[float] = set()
+        out = []
         for f in files:
+            values = []
             for tok in _FILE_NUM.findall(f.read_text(errors="replace")):
                 try:
-                    values.add(abs(float(tok.replace(",", ""))))
+                    values.append(abs(float(tok.replace(",", ""))))
                 except ValueError:
                     pass
-        return tuple(sorted(values))
+            out.append(tuple(values))
+        return tuple(out)
+
+    @lru_cache(maxsize=None)
+    def index(self, source: str) -> Tuple[Tuple[float, int, int], ...]:
+        """(value, file, position) of every number of ``source``, sorted by value."""
+        return tuple(sorted((v, f, i) for f, values in enumerate(self.streams(source)) for i, v in enumerate(values)))
 
     def holds(self, source: str, figure: str, unit: str) -> bool:
         """Does ``source`` hold ``figure`` (as printed, in ``unit``), rounded as printed?"""
-        value = abs(float(figure.replace(",", "")))
-        decimals = len(figure.split(".", 1)[1]) if "." in figure else 0
-        half = 0.5 * 10 ** -decimals + 1e-9
-        numbers = self.numbers(source)
+        return self.holds_run(source, [(figure, unit)])
+
+    def holds_run(self, source: str, run: Sequence[Tuple[str, str]]) -> bool:
+        """Does ``source`` hold the figures of ``run`` one after another (an estimate and
+        its interval are printed together, and stored together)?"""
+        index = self.index(source)
+        keys = [v for v, _, _ in index]
+        figure, unit = run[0]
         for scale in _SCALES.get(unit.strip(), (1.0,)):
-            lo, hi = (value - half) / scale, (value + half) / scale
-            i = bisect.bisect_left(numbers, min(lo, hi))
-            if i < len(numbers) and numbers[i] <= max(lo, hi):
-                return True
+            lo, hi = _bounds(figure, scale)
+            for _, f, i in index[bisect.bisect_left(keys, lo):bisect.bisect_right(keys, hi)]:
+                stream = self.streams(source)[f]
+                if all(i + k < len(stream) and _bounds(fig, 1.0)[0] <= stream[i + k] <= _bounds(fig, 1.0)[1]
+                       for k, (fig, _) in enumerate(run[1:], start=1)):
+                    return True
         return False
 
 
-def figures(sentence: str, table: bool = False) -> Iterator[Tuple[str, str]]:
-    """(figure, unit) of every measured figure in a sentence of prose (code spans and links
-    already blanked)."""
+def _bounds(figure: str, scale: float) -> Tuple[float, float]:
+    """The source values that print as ``figure`` at its decimals, in the page's unit."""
+    value = abs(float(figure.replace(",", "")))
+    decimals = len(figure.split(".", 1)[1]) if "." in figure else 0
+    half = 0.5 * 10 ** -decimals + 1e-9
+    return (value - half) / scale, (value + half) / scale
+
+
+def figures(sentence: str, table: bool = False) -> Iterator[Tuple[Tuple[str, str], ...]]:
+    """Every measured figure in a sentence of prose (code spans and links already
+    blanked), as runs of (figure, unit): an estimate and its interval form one run, which
+    the source must hold in that order; any other figure is a run of one."""
     taken: List[Tuple[int, int]] = []
 
     def free(m: "re.Match") -> bool:
@@ -192,25 +224,28 @@ def figures(sentence: str, table: bool = False) -> Iterator[Tuple[str, str]]:
 
     for m in _INTERVAL.finditer(sentence):
         taken.append(m.span())
-        if m.group(1):
-            yield m.group(1), m.group(2)
-        yield m.group(3), ""
-        yield m.group(4), ""
+        yield ((m.group(1), m.group(2)),) * bool(m.group(1)) + ((m.group(3), ""), (m.group(4), ""))
     for m in _WITH_UNIT.finditer(sentence):
         if free(m):
             taken.append(m.span())
             unit = m.group(3).strip()
-            yield m.group(1), unit
+            yield ((m.group(1), unit),)
             if m.group(2):
-                yield m.group(2), unit
+                yield ((m.group(2), unit),)
     for m in _AFTER_WORD.finditer(sentence):
         if free(m):
             taken.append(m.span())
-            yield m.group(1), ""
+            yield ((m.group(1), ""),)
     if table:
         for m in _TABLE_CELL_NUM.finditer(sentence):
             if free(m):
-                yield m.group(1), ""
+                yield ((m.group(1), ""),)
+
+
+def _show(run: Sequence[Tuple[str, str]]) -> str:
+    """``1.06x [1.02, 1.09]``, ``28.2 min``: a run as the page prints it."""
+    shown = [f + (u if u in ("", "x", "%") else " " + u) for f, u in run]
+    return shown[0] if len(shown) == 1 else f"{' '.join(shown[:-2])} [{shown[-2]}, {shown[-1]}]".lstrip()
 
 
 def _quantities(text: str) -> Iterator[Tuple[str, Quantity]]:
@@ -245,6 +280,7 @@ def check_page(page: Path, root: Path = ROOT, sources: Optional[Sources] = None)
     problems: List[Problem] = []
     quantities: Dict[str, List[Tuple[str, int, str, bool]]] = {}
     previous: Tuple[str, ...] = ()
+    section: Tuple[str, ...] = ()  # what the heading above cites
     for block in _blocks(text):
         spans = [m.group(1) for line in block.lines for m in _CODE_SPAN.finditer(line)]
         cited = []
@@ -254,7 +290,12 @@ def check_page(page: Path, root: Path = ROOT, sources: Optional[Sources] = None)
                 cited.append(src)
                 if (root / src).is_dir():
                     known.setdefault(Path(src).name, src)
+        if block.lines[0].startswith("#"):
+            section = tuple(cited)
+            previous = ()
+            continue
         block_sources = tuple(dict.fromkeys(cited + (list(previous) if block.table else [])))
+        block_sources = block_sources or section
         for line_no, sentence in _sentences(block):
             own = [s for s in (sources.resolve(t, known) for t in _CODE_SPAN.findall(sentence)) if s]
             prose = _LINK.sub(" ", _CODE_SPAN.sub(" ", sentence))
@@ -266,12 +307,12 @@ def check_page(page: Path, root: Path = ROOT, sources: Optional[Sources] = None)
             if not found:
                 continue
             # a sentence that cites its runs may compare them; one that cites none takes
-            # its figures from one of its paragraph's sources
+            # its figures from one of its paragraph's sources; a table's columns may come
+            # from the several runs its header or caption names
             candidates = own or list(block_sources)
-            groups = [own] if own else [[s] for s in block_sources]
-            if not any(all(any(sources.holds(s, f, u) for s in g) for f, u in found) for g in groups):
-                missing = sorted({f + (u if u in ("", "x", "%") else " " + u) for f, u in found
-                                  if not any(sources.holds(s, f, u) for s in candidates)})
+            groups = [candidates] if own or block.table else [[s] for s in block_sources]
+            if not any(all(any(sources.holds_run(s, run) for s in g) for run in found) for g in groups):
+                missing = sorted({_show(run) for run in found if not any(sources.holds_run(s, run) for s in candidates)})
                 where = ", ".join(candidates)
                 why = (f"{', '.join(missing)} not in {where}" if missing else
                        f"figures of several sources in one sentence ({where}): one sentence per run")

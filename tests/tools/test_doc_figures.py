@@ -46,8 +46,11 @@ def test_a_wrong_figure_is_named_with_its_page_and_line(tmp_path):
     root = _tree(tmp_path, GOOD.replace("BLEU 25.31", "BLEU 25.41").replace("1.06x [1.02", "1.07x [1.02", 1))
     assert D.check(root) == [
         "README.md:3: 25.41 not in results/job.warm.json",
-        "README.md:4: 1.07x not in results/bench/run_a",
+        "README.md:4: 1.07x [1.02, 1.09] not in results/bench/run_a",
     ]
+    # an estimate and its interval are one figure: each number in the file is not enough
+    root = _tree(tmp_path / "a", GOOD.replace("1.06x [1.02, 1.09] over", "1.09x [1.02, 1.06] over"))
+    assert D.check(root) == ["README.md:4: 1.09x [1.02, 1.06] not in results/bench/run_a"]
     # rounded as printed: 1689.6 s is 28.2 and 28.16 minutes, not 28.3 nor 28.17
     for shown in ("28.16", "28.2"):
         assert D.check(_tree(tmp_path / shown, GOOD.replace("28.2 minutes", f"{shown} minutes"))) == []
