@@ -177,3 +177,18 @@ def test_regime_smoke_on_loopback(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Compute-matched regimes" in report and "## translation/w2/v100-25g" in report
     assert "not applied" in report
+
+
+def test_report_section_names_the_calibration_and_the_shapes():
+    from embrace_fairseq.perf.bench.markdown import regimes_section
+
+    runs = [_run("compute_floor", [0.3, 0.2], 0.0), _run("embrace_schedule", [0.6, 0.55], 62.5e6)]
+    cal = {"regime": "v100-25g", "real_model": "gpt2_small", "real_model_description": "GPT-2 small: tied",
+           "ratio": 0.54, "floor_s": 0.25, "scale": 1.1, "gbit": 2.0, "latency_ms": 0.011, "link_applied": True,
+           "latency_applied": False}
+    result = {"regimes": regime_check(runs, {"lm/w2/v100-25g": cal}), "meta": {"ratio_statistic": "mean"},
+              "workload_shapes": {"lm": {"vocab": 66000, "layers": 2}}}
+    text = "\n".join(regimes_section(result))
+    assert "| lm/w2/v100-25g | gpt2_small | 0.540 | 0.250 | 1.1 | 2 | 11 µs, not applied (no sch_netem) | 0.275 |" in text
+    assert "(e) EmbRace, 2D schedule | 2.09" in text and "- lm: vocab 66000, layers 2" in text
+    assert regimes_section({"meta": {}}) == []

@@ -294,7 +294,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                      for rk in launch["ranks"]} for launch in raw},
         "regimes": ({"names": a.regimes, "calibration_steps": a.calibration_steps} if a.regimes else None),
         "latency_applied": (not loopback) and NC.netem_available(),
-        "link": {"gbit": [] if a.regimes else a.gbit, "latency_ms": a.latency_ms,
+        # regimes: each run's link and latency are its calibration's (result["regimes"])
+        "link": {"gbit": [] if a.regimes else a.gbit, "latency_ms": None if a.regimes else a.latency_ms,
                  "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},
         "schedule": {"warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
                      "interleaving": "every round visits every link speed and on it every strategy for steps_per_round "
