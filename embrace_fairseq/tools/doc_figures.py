@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from embrace_fairseq.tools.doc_references import ROOT, pages
 
@@ -51,7 +51,7 @@ _WITH_UNIT = re.compile(
     rf"(?<![\w.])[-+]?({_NUM})(?:\s*(?:-|to)\s*({_NUM}))?(x|\s?%|\s(?:s|ms|min|minutes|MB|updates)\b)(?![\w/])")
 _INTERVAL = re.compile(rf"(?:({_NUM})(x?)\s)?\[({_NUM}), ({_NUM})\]")
 _AFTER_WORD = re.compile(rf"\b(?:BLEU|chrF|perplexity|loss)(?: of| score)? ({_NUM})(?!\w|\.\d)")
-_TABLE_CELL_NUM = re.compile(rf"(?<![\w.\-/])(\d+\.\d+)(?![\w.])")
+_TABLE_CELL_NUM = re.compile(r"(?<![\w.\-/])(\d+\.\d+)(?![\w.])")
 _FILE_NUM = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _SENTENCE_END = re.compile(r"(?<=[.;!?])\s+(?=[A-Z(*`])")
 #: how a source's number may appear on a page, by the page's unit
@@ -86,6 +86,10 @@ REGISTRY = [
     Quantity("a perplexity", r"perplexity (?:of )?(\d+\.\d+)", one_value=False),
     Quantity("the native dedup_bucket speed-up", r"dedup_bucket[^.]*?(\d+\.\d+)x faster"),
 ]
+
+
+#: where a page states a registry quantity: (value, line, page, cited)
+Seen = Tuple[str, int, str, bool]
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,8 @@ def _sentences(block: Block) -> Iterator[Tuple[int, str]]:
         yield block.start + text.count("\n", 0, at), part
 
 
-def check_page(page: Path, root: Path = ROOT, sources: Optional[Sources] = None) -> Tuple[List[Problem], Dict[str, List[Tuple[str, int, str, bool]]]]:
+def check_page(page: Path, root: Path = ROOT,
+               sources: Optional[Sources] = None) -> Tuple[List[Problem], Dict[str, List[Seen]]]:
     """The figures of ``page`` its sources do not hold, and every registry quantity it
     gives: {name: [(value, line, page, cited)]}."""
     sources = sources or Sources(root)
@@ -278,7 +283,7 @@ def check_page(page: Path, root: Path = ROOT, sources: Optional[Sources] = None)
     text = _drop_marker_block(_blank_code(page.read_text()))
     known: Dict[str, str] = {}
     problems: List[Problem] = []
-    quantities: Dict[str, List[Tuple[str, int, str, bool]]] = {}
+    quantities: Dict[str, List[Seen]] = {}
     previous: Tuple[str, ...] = ()
     section: Tuple[str, ...] = ()  # what the heading above cites
     for block in _blocks(text):
@@ -328,7 +333,7 @@ def check_page(page: Path, root: Path = ROOT, sources: Optional[Sources] = None)
     return problems, quantities
 
 
-def _registry_problems(quantities: Dict[str, List[Tuple[str, int, str, bool]]]) -> List[str]:
+def _registry_problems(quantities: Dict[str, List[Seen]]) -> List[str]:
     out = []
     one_value = {q.name for q in REGISTRY if q.one_value}
     for q, seen in sorted(quantities.items()):
@@ -360,7 +365,7 @@ def _table_problems(root: Path) -> List[str]:
 def check(root: Path = ROOT) -> List[str]:
     sources = Sources(root)
     lines: List[str] = []
-    quantities: Dict[str, List[Tuple[str, int, str, bool]]] = {}
+    quantities: Dict[str, List[Seen]] = {}
     for page in pages(root):
         problems, q = check_page(page, root, sources)
         lines += [str(p) for p in problems]
