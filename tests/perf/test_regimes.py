@@ -40,9 +40,12 @@ def test_real_models_have_their_released_sizes():
     d, f = 768, 3072
     block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * f + f) + (f * d + d)
     assert _params("gpt2_small") == 50257 * d + 1024 * d + 12 * block + 2 * d == 124_439_808
-    # the others against their published sizes (Hugging Face model cards), within 1 %
-    for name, published in (("xlmr_base", 278e6), ("mbart_large", 611e6), ("m2m100_418m", 484e6)):
+    # the others against their published sizes (Hugging Face model cards), within 1 %, and
+    # exactly the count of fairseq's layouts of the released checkpoints
+    for name, published, exact in (("xlmr_base", 278e6, 278_294_418), ("mbart_large", 611e6, 610_851_840),
+                                   ("m2m100_418m", 484e6, 483_905_536)):
         assert abs(_params(name) / published - 1) < 0.01, (name, _params(name))
+        assert _params(name) == exact, name
 
 
 def test_gpt2_ratio_by_hand():
@@ -187,8 +190,8 @@ def test_report_section_names_the_calibration_and_the_shapes():
            "ratio": 0.54, "floor_s": 0.25, "scale": 1.1, "gbit": 2.0, "latency_ms": 0.011, "link_applied": True,
            "latency_applied": False}
     result = {"regimes": regime_check(runs, {"lm/w2/v100-25g": cal}), "meta": {"ratio_statistic": "mean"},
-              "workload_shapes": {"lm": {"vocab": 66000, "layers": 2}}}
+              "workload_shapes": {"lm": {"name": "lm", "vocab": 66000, "share": 0.68994, "real_model": None}}}
     text = "\n".join(regimes_section(result))
     assert "| lm/w2/v100-25g | gpt2_small | 0.540 | 0.250 | 1.1 | 2 | 11 µs, not applied (no sch_netem) | 0.275 |" in text
-    assert "(e) EmbRace, 2D schedule | 2.09" in text and "- lm: vocab 66000, layers 2" in text
+    assert "(e) EmbRace, 2D schedule | 2.09" in text and "- lm: vocab 66,000, share 0.69\n" in text + "\n"
     assert regimes_section({"meta": {}}) == []

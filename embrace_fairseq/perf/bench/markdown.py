@@ -303,6 +303,12 @@ def _link(c: Dict[str, Any]) -> str:
     return f"{c['gbit']:.3g}" + (" (not applied: loopback)" if c.get("link_applied") is False else "")
 
 
+def _value(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    return f"{v:,}" if isinstance(v, int) else f"{v:.3g}"
+
+
 def regimes_section(result: Dict[str, Any]) -> List[str]:
     """Per workload and regime: the real model, the calibration, the limit and every
     strategy's step over it."""
@@ -342,7 +348,8 @@ def regimes_section(result: Dict[str, Any]) -> List[str]:
         L.append("Workload shapes:")
         L.append("")
         for m, shape in shapes.items():
-            L.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
+            L.append(f"- {m}: " + ", ".join(f"{k} {_value(v)}" for k, v in shape.items()
+                                            if k != "name" and v is not None))
         L.append("")
     return L
 
