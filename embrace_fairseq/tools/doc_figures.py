@@ -40,6 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+from embrace_fairseq.recipes.results_table import render
 from embrace_fairseq.tools.doc_references import ROOT, pages
 
 _CODE_BLOCK = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
@@ -349,8 +350,6 @@ def _registry_problems(quantities: Dict[str, List[Seen]]) -> List[str]:
 
 def _table_problems(root: Path) -> List[str]:
     """The main-job block of each page is the rendering of the results files."""
-    from embrace_fairseq.recipes.results_table import render  # recipes sit beside tools
-
     out = []
     for page in pages(root):
         text = page.read_text()
