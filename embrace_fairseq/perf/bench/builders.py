@@ -52,6 +52,9 @@ class _CallThrough:
 
     def __init__(self, wrapped: Callable, module: torch.nn.Module) -> None:
         self._wrapped, self._module = wrapped, module
+        # as fairseq's and DeepSpeed's wrappers hold it: the vocab-parallel masked-LM loss
+        # finds the model it was configured for through ``.module``
+        self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._wrapped(*args, **kwargs)
@@ -226,9 +229,8 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, ze
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.stock_arch, task, data)
     if sparse:
-        # the table no output projection reads (a tied one's gradient is dense anyway)
-        table = model.encoder.embed_tokens if w.is_translation else model.decoder.embed_tokens
-        table.sparse = True
+        # the first table (a tied one's gradient is dense anyway: the output projection's adds to it)
+        W.token_table_module(model, w).sparse = True
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     zero = {"stage": zero_stage, **ZERO_TUNING} if zero_stage else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(None, ROWS_PER_RANK, zero))

@@ -13,6 +13,11 @@
   tables tied (``--share-decoder-input-output-embed``), full softmax, over a 32k
   sentencepiece BPE vocabulary trained on the same English train split (every piece of
   the model in the dictionary, sorted by frequency as ``fairseq-preprocess`` sorts).
+* ``xlmr``, ``mbart``, ``m2m``: large vocabularies shaped after XLM-R base (masked LM,
+  250,002 rows), mBART-large (translation, 250,027 rows, one table) and M2M-100 418M
+  (multilingual translation, 128,112 rows, one table): their row counts, tokens per rank,
+  masked share and embedding share of the parameters kept, width and depth small
+  (:mod:`.large_vocab` says where each number comes from; :func:`workload_shape` reports them).
 
 Both strategies of a pair (stock / EmbRace) are built from the same fairseq arguments
 with the same seed; batch ``(step, rank)`` is a pure function of the workload and the
@@ -34,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 @dataclass(frozen=True)
 class Workload:
-    name: str  # "translation" | "lm" | "gpt_lm"
+    name: str  # "translation" | "lm" | "gpt_lm" | "iwslt" | "xlmr" | "mbart" | "m2m"
     stock_arch: str
     embrace_arch: str
     model_args: Tuple[str, ...]
@@ -48,10 +53,16 @@ class Workload:
         return "translation" in self.task_args
 
     @property
+    def is_masked_lm(self) -> bool:
+        return "masked_lm" in self.task_args
+
+    @property
     def tables(self) -> Tuple[str, ...]:
         """The token tables' parameter names, the encoder's first: one when the model shares
         a table between its lookups (an LM, ``--share-all-embeddings``), else the encoder's
         and the decoder's (each its own exchange)."""
+        if self.is_masked_lm:  # RoBERTa: the encoder's table, read again by the LM head
+            return ("encoder.sentence_encoder.embed_tokens.weight",)
         if not self.is_translation:
             return ("decoder.embed_tokens.weight",)
         if "--share-all-embeddings" in self.model_args:
@@ -76,6 +87,50 @@ IWSLT_TOKENS = 256  # per rank: the 6+6-layer model at 8 ranks on a few cores mu
 
 GPT_BPE_VOCAB = 32000  # sentencepiece pieces of the GPT-style LM's vocabulary
 LM_SAMPLE = 128  # tokens per sample of both LMs
+
+
+#: the large-vocabulary workloads' width: d 16 with two heads and 2 layers per stack; the
+#: feed-forward width sets the embedding share to the real model's (:mod:`.large_vocab`)
+LARGE_DIM, LARGE_HEADS, LARGE_LAYERS = 16, 2, 2
+LARGE_FFN = {"xlmr": 23296, "mbart": 41728, "m2m": 41728}
+NO_DROPOUT = ("--dropout", "0.0", "--attention-dropout", "0.0", "--activation-dropout", "0.0")
+XLMR_SAMPLE = 512  # tokens per sequence, <s> included
+XLMR_TOKENS = 16 * XLMR_SAMPLE  # per rank: 8192 sequences of 512 tokens on 500 GPUs
+SEQ2SEQ_TOKENS = 1024  # per rank: --max-tokens of the released mBART and multilingual recipes
+
+
+def _stack(side: str, ffn: int) -> Tuple[str, ...]:
+    return (f"--{side}-layers", str(LARGE_LAYERS), f"--{side}-embed-dim", str(LARGE_DIM),
+            f"--{side}-ffn-embed-dim", str(ffn), f"--{side}-attention-heads", str(LARGE_HEADS))
+
+
+def large_vocab_workloads() -> Dict[str, Workload]:
+    """The three large-vocabulary workloads (the same in quick mode: their token counts are the point)."""
+    pair = ("--task", "translation", "--source-lang", "de", "--target-lang", "en")
+    return {
+        "xlmr": Workload(
+            "xlmr", "roberta", "embrace_roberta",
+            (*_stack("encoder", LARGE_FFN["xlmr"]), "--max-positions", str(XLMR_SAMPLE), *NO_DROPOUT,
+             "--pooler-dropout", "0.0"),
+            ("--task", "masked_lm"), tokens_per_rank=XLMR_TOKENS, tokens_per_sample=XLMR_SAMPLE, criterion="masked_lm",
+        ),
+        "mbart": Workload(
+            "mbart", "mbart_large", "embrace_mbart_large",
+            (*_stack("encoder", LARGE_FFN["mbart"]), *_stack("decoder", LARGE_FFN["mbart"]), "--share-all-embeddings",
+             # as the released recipe trains mbart_large (its checkpoint is pre-norm)
+             "--encoder-normalize-before", "--decoder-normalize-before", "--layernorm-embedding", *NO_DROPOUT),
+            pair, tokens_per_rank=SEQ2SEQ_TOKENS,
+        ),
+        "m2m": Workload(
+            "m2m", "transformer", "embrace_transformer",
+            (*_stack("encoder", LARGE_FFN["m2m"]), *_stack("decoder", LARGE_FFN["m2m"]), "--share-all-embeddings",
+             "--encoder-normalize-before", "--decoder-normalize-before", "--activation-fn", "relu", *NO_DROPOUT),
+            pair, tokens_per_rank=SEQ2SEQ_TOKENS,
+        ),
+    }
+
+
+LARGE_VOCAB = tuple(large_vocab_workloads())
 
 
 def workloads(quick: bool) -> Dict[str, Workload]:
@@ -109,11 +164,57 @@ def workloads(quick: bool) -> Dict[str, Workload]:
             ("--task", "language_modeling"),
             tokens_per_rank=4 * LM_SAMPLE, tokens_per_sample=LM_SAMPLE,
         ),
+        **large_vocab_workloads(),
     }
+
+
+def workload_shape(name: str) -> Dict[str, Any]:
+    """What a workload is shaped after, and how close it stays (pure: no model is built).
+
+    For ``xlmr``, ``mbart`` and ``m2m``: the real model's name, its vocabulary and embedding
+    share (from its published dims), the workload's own rows and embedding share (from its
+    dims, by the same count), tokens per rank and masked share (the share of positions the
+    loss is computed on: 0.15 for the masked LM, None for translation, whose loss reads every
+    target token). Other workloads are shaped after no named model: those fields are None.
+    """
+    from embrace_fairseq.perf.bench import large_vocab as LV
+
+    w = workloads(quick=False).get(name)
+    if w is None:
+        raise KeyError(f"unknown workload {name!r}; expected one of {', '.join(workloads(quick=False))}")
+    out: Dict[str, Any] = {"name": name, "real_model": None, "real_vocab": None, "real_embedding_share": None,
+                           "vocab": None, "embedding_share": None, "tokens_per_rank": w.tokens_per_rank,
+                           "masked_share": None, "objective": w.criterion}
+    if name not in LV.REAL:
+        return out
+    real_name, real = LV.REAL[name]
+    shape = workload_dims(w)
+    out.update(real_model=real_name, real_vocab=real.vocab, real_embedding_share=LV.embedding_share(real),
+               vocab=shape.vocab, embedding_share=LV.embedding_share(shape),
+               masked_share=LV.MASK_PROB if w.is_masked_lm else None,
+               objective={"xlmr": "masked LM", "mbart": "translation de->en",
+                          "m2m": "multilingual translation de<->en"}[name],
+               real_parameters=LV.real_parameters(name)[1], parameters=LV.parameters(shape)[1])
+    return out
+
+
+def workload_dims(w: Workload):
+    """A large-vocabulary workload's :class:`~.large_vocab.Shape` (the real model's
+    structure with the workload's width and depth)."""
+    from embrace_fairseq.perf.bench import large_vocab as LV
+
+    real = LV.REAL[w.name][1]
+    ffn = LARGE_FFN[w.name]
+    return LV.Shape(LV.LAYOUTS[w.name].rows, LARGE_DIM, LARGE_LAYERS, LARGE_LAYERS if real.decoder_layers else 0, ffn,
+                    learned_positions={"xlmr": XLMR_SAMPLE + 2, "mbart": 1026, "m2m": 0}[w.name],
+                    layernorm_embedding=real.layernorm_embedding, final_layer_norm=real.final_layer_norm,
+                    lm_head=real.lm_head)
 
 
 def tied_output(w: Workload) -> bool:
     """Does the output projection read a token table (tied embeddings)?"""
+    if w.is_masked_lm:  # RoBERTa's LM head reads the table unless told not to
+        return "--untie-weights-roberta" not in w.model_args
     return any(f in w.model_args for f in ("--share-all-embeddings", "--share-decoder-input-output-embed"))
 
 
@@ -230,6 +331,9 @@ def prepare_shared_inputs(models: List[str], data: Path, cache_dir: Path) -> Non
         lm_stream(data, cache_dir, lm_dictionary(data, cache_dir))
     if "gpt_lm" in models:
         bpe_corpus(data, cache_dir)
+    from embrace_fairseq.perf.bench import large_vocab as LV
+
+    LV.prepare([m for m in models if m in LARGE_VOCAB], data, cache_dir)
 
 
 def lm_stream(data: Path, cache_dir: Path, dictionary) -> torch.Tensor:
@@ -257,9 +361,17 @@ class Batches:
     _pairs: Any = None  # translation: LanguagePairDataset
     _batches: List[List[int]] = field(default_factory=list)
     _stream: Optional[torch.Tensor] = None
+    _masked: Any = None  # masked LM: (source, target) datasets of fairseq's masking, by block
 
     def get(self, step: int, rank: int) -> Dict[str, Any]:
         w = self.workload
+        if w.is_masked_lm:
+            n = w.tokens_per_rank // w.tokens_per_sample
+            blocks = range((step * self.world_size + rank) * n, (step * self.world_size + rank + 1) * n)
+            src = torch.stack([self._masked[0][g] for g in blocks])
+            return {"id": torch.arange(n), "nsentences": n, "ntokens": int(src.numel()),
+                    "net_input": {"src_tokens": src, "src_lengths": torch.full((n,), w.tokens_per_sample)},
+                    "target": torch.stack([self._masked[1][g] for g in blocks])}
         if w.is_translation:
             idx = self._batches[(step * self.world_size + rank) % len(self._batches)]
             return self._pairs.collater([self._pairs[i] for i in idx])
@@ -274,8 +386,12 @@ class Batches:
                 "target": tgt}
 
     def target_tokens(self, step: int, rank: int) -> int:
-        """Target tokens of the batch (the positions its loss is computed on)."""
-        return int(self.get(step, rank)["ntokens"])
+        """Target tokens of the batch (the positions its loss is computed on: a masked LM's
+        masked positions)."""
+        b = self.get(step, rank)
+        if self.workload.is_masked_lm:
+            return int(b["target"].ne(self.task.target_dictionary.pad()).sum())
+        return int(b["ntokens"])
 
     def table_ids(self, step: int, rank: int) -> List[torch.Tensor]:
         """Per token table (:attr:`Workload.tables` order) every id the batch looks up in it
@@ -297,6 +413,8 @@ class Batches:
 
 def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: Path) -> Batches:
     """Dictionaries (the fairseq task stand-in) and the batch source."""
+    if w.name in LARGE_VOCAB:
+        return _large_vocab_batches(w, world_size, data, cache_dir)
     if w.is_translation:
         from fairseq.data import Dictionary, LanguagePairDataset, data_utils
 
@@ -308,14 +426,8 @@ def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: 
             raise FileNotFoundError(f"no binarised train split under {d}; run python -m embrace_fairseq.data_prep")
         pairs = LanguagePairDataset(src, src.sizes, src_dict, tgt, tgt.sizes, tgt_dict,
                                     left_pad_source=True, left_pad_target=False)
-        # fairseq's batching: sort by length, pack to --max-tokens, shuffle the batches
-        with data_utils.numpy_seed(1):
-            order = pairs.ordered_indices()
-        batches = [list(b) for b in pairs.batch_by_size(order, max_tokens=w.tokens_per_rank)]
-        g = torch.Generator().manual_seed(1)
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
         task = BenchTask(source_dictionary=src_dict, target_dictionary=tgt_dict)
-        return Batches(w, world_size, task, _pairs=pairs, _batches=batches)
+        return Batches(w, world_size, task, _pairs=pairs, _batches=_pair_batches(pairs, w.tokens_per_rank))
     if w.name == "gpt_lm":
         dictionary, stream = bpe_corpus(data, cache_dir)
     else:
@@ -323,6 +435,30 @@ def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: 
         stream = lm_stream(data, cache_dir, dictionary)
     task = BenchTask(source_dictionary=dictionary, target_dictionary=dictionary)
     return Batches(w, world_size, task, _stream=stream)
+
+
+def _pair_batches(pairs: Any, max_tokens: int) -> List[List[int]]:
+    """fairseq's batching: sort by length, pack to --max-tokens, shuffle the batches."""
+    from fairseq.data import data_utils
+
+    with data_utils.numpy_seed(1):
+        order = pairs.ordered_indices()
+    batches = [list(b) for b in pairs.batch_by_size(order, max_tokens=max_tokens)]
+    g = torch.Generator().manual_seed(1)
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def _large_vocab_batches(w: Workload, world_size: int, data: Path, cache_dir: Path) -> Batches:
+    from embrace_fairseq.perf.bench import large_vocab as LV
+
+    d, to_large = LV.cached_dictionary(w.name, data, cache_dir)
+    # the masked-LM task and BART's read the dictionary under these names too
+    task = BenchTask(source_dictionary=d, target_dictionary=d, dictionary=d)
+    if w.is_masked_lm:
+        masked = LV.masked_datasets(d, LV.cached_streams(data, cache_dir), w.tokens_per_sample)
+        return Batches(w, world_size, task, _masked=masked)
+    pairs = LV.translation_pairs(w.name, d, to_large, data)
+    return Batches(w, world_size, task, _pairs=pairs, _batches=_pair_batches(pairs, w.tokens_per_rank))
 
 
 def build_model(w: Workload, arch: str, task: Any, data: Path, seed: int = 1) -> torch.nn.Module:
@@ -337,6 +473,10 @@ def build_model(w: Workload, arch: str, task: Any, data: Path, seed: int = 1) ->
 
 
 def build_criterion(w: Workload, task: Any):
+    if w.criterion == "masked_lm":
+        from fairseq.criterions.masked_lm import MaskedLmConfig, MaskedLmLoss
+
+        return MaskedLmLoss(MaskedLmConfig(tpu=False), task)
     if w.criterion == "adaptive_loss":
         from fairseq.criterions.adaptive_loss import AdaptiveLoss
 
@@ -351,13 +491,20 @@ def token_table_name(w: Workload) -> str:
     return w.tables[0]
 
 
+def token_table_module(model: torch.nn.Module, w: Workload) -> torch.nn.Module:
+    """The embedding module of the first token table (the one a sparse variant swaps)."""
+    return model.get_submodule(token_table_name(w).rsplit(".", 1)[0])
+
+
 def dense_layers(model: torch.nn.Module, w: Workload) -> List[Dict[str, Any]]:
-    """Replicated parameters grouped by layer, in registration (= forward) order."""
+    """Replicated parameters grouped by layer (``<stack>.layers.<i>``, e.g. RoBERTa's
+    ``encoder.sentence_encoder.layers.0``), else by module, in registration (= forward) order."""
     groups: "collections.OrderedDict[str, int]" = collections.OrderedDict()
     for name, p in model.named_parameters():
         if name in w.tables:
             continue
         parts = name.split(".")
-        key = ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ".".join(parts[:-1])
+        at = parts.index("layers") if "layers" in parts[:-2] else -1
+        key = ".".join(parts[:at + 2]) if at >= 0 else ".".join(parts[:-1])
         groups[key] = groups.get(key, 0) + p.numel()
     return [{"name": k, "numel": int(v)} for k, v in groups.items()]
