@@ -367,6 +367,51 @@ def run_fairseq_tool(
     return run.check() if check else run
 
 
+#: printed on stdout and stderr before each run of :func:`run_fairseq_tool_each`
+_NEXT_RUN = "=== embrace test harness: next run ==="
+
+_TOOL_EACH = (
+    "import importlib, json, sys\n"
+    "tool, runs, mark = json.loads(sys.stdin.read())\n"
+    "cli_main = importlib.import_module('fairseq_cli.' + tool[len('fairseq-'):].replace('-', '_')).cli_main\n"
+    "for argv in runs:\n"
+    "    print(mark, flush=True)\n"
+    "    print(mark, file=sys.stderr, flush=True)\n"
+    "    sys.argv = [tool, *argv]\n"
+    "    cli_main()\n"
+)
+
+
+def run_fairseq_tool_each(
+    tool: str,
+    runs: Sequence[Sequence[str]],
+    *,
+    timeout: float = 300,
+    env: Optional[Mapping[str, str]] = None,
+    user_dir: Optional[PathLike] = USER_DIR,
+) -> List[FairseqRun]:
+    """Run a fairseq console script (``fairseq-generate``, ``fairseq-eval-lm``, ...) once per
+    argument list, all in one process: its entry point (``fairseq_cli.<tool>.cli_main``) called
+    in turn, so fairseq is imported once (a process start and an import of fairseq cost about
+    5 s on two cores). Each run's output is its own :class:`FairseqRun`; all of them succeeded
+    (else this raises with the output's tail). ``--user-dir user_dir`` is added as by
+    :func:`run_fairseq_tool`."""
+    argvs = []
+    for args in runs:
+        args = list(args)
+        if user_dir is not None and "--user-dir" not in args:
+            args += ["--user-dir", str(user_dir)]
+        argvs.append(args)
+    cmd = [sys.executable, "-c", _TOOL_EACH]
+    proc = _run(cmd, cwd=None, env=fairseq_env(env), timeout=timeout, check=True,
+                input_text=json.dumps([tool, argvs, _NEXT_RUN]))
+    outs = proc.stdout.split(_NEXT_RUN + "\n")[1:]
+    errs = proc.stderr.split(_NEXT_RUN + "\n")[1:]
+    assert len(outs) == len(errs) == len(argvs), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [FairseqRun([tool, *argv], 0, out, err, parse_json_records(out + "\n" + err))
+            for argv, out, err in zip(argvs, outs, errs)]
+
+
 def make_multilingual_corpus(
     tmpdir: PathLike,
     *,
