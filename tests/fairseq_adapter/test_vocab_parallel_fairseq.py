@@ -2,7 +2,8 @@
 
 Equivalence: with ``--embrace-output vocab-parallel`` forced, the EmbRace architecture
 logs the same per-update loss, nll_loss, ppl and gnorm as the stock one (same seed and
-data, dropout 0) within 1e-4 relative, over 20 updates, with fairseq's own criteria.
+data, dropout 0) within 1e-4 relative, over 8 updates in the default run (20 in the slow
+cases), with fairseq's own criteria.
 The vocabulary is odd (``--padding-factor 1``: 55 rows), so shards are uneven on 2 and
 3 ranks.
 """
@@ -18,6 +19,8 @@ from fairseq_corpus import make_lm_corpus, make_translation_corpus, run_fairseq_
 
 PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
 REL = 1e-4
+UPDATES = 8  # the default run's test (a wrong loss or gradient shows from the first update)
+SLOW_UPDATES = 20
 VOCAB = 55  # 51 words + 4 specials, no padding to a multiple of 8
 
 from test_fairseq_plugin import TINY_LM, TINY_MT  # noqa: E402  (the plugin tests' tiny models)
@@ -43,7 +46,7 @@ def lm_data(tmp_path_factory):
                           extra_preprocess_args=["--padding-factor", "1"])
 
 
-def _train(data, arch, save_dir, nproc, extra=(), task="translation", max_update=20, check=True):
+def _train(data, arch, save_dir, nproc, extra=(), task="translation", max_update=SLOW_UPDATES, check=True):
     tiny = TINY_MT if task == "translation" else TINY_LM
     batch = ["--max-tokens", "120"] if task == "translation" else ["--max-tokens", "64"]
     args = [str(data), "--task", task, "--arch", arch, *tiny, *COMMON, *batch,
@@ -52,13 +55,13 @@ def _train(data, arch, save_dir, nproc, extra=(), task="translation", max_update
     return run.check() if check else run
 
 
-def _assert_same(stock, ours, what, keys=("loss", "nll_loss", "ppl", "gnorm")):
+def _assert_same(stock, ours, what, keys=("loss", "nll_loss", "ppl", "gnorm"), n=SLOW_UPDATES):
     present = [k for k in keys if k in stock.updates[0]]  # cross_entropy logs nll_loss only with --sentence-avg
     assert {"loss", "ppl", "gnorm"} <= set(present), stock.updates[0]
     for key in present:
         a = [float(r[key]) for r in stock.updates]
         b = [float(r[key]) for r in ours.updates]
-        assert len(a) == len(b) == 20, (what, key, len(a), len(b))
+        assert len(a) == len(b) == n, (what, key, len(a), len(b))
         worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
         assert worst <= REL, f"{what}: {key} differs by {worst:.2e} relative\nstock={a}\nours={b}"
         print(f"{what}: {key} worst relative difference {worst:.2e} (last stock {a[-1]:.6g}, ours {b[-1]:.6g})")
@@ -68,11 +71,11 @@ def _took_vocab_parallel(run):
     return "EmbRace output layer: vocab-parallel" in run.output
 
 
-def _run_case(data, task, stock_arch, nproc, extra, tmp_path, ours_extra=FORCED):
-    stock = _train(data, stock_arch, tmp_path / "stock", nproc, extra, task)
-    ours = _train(data, "embrace_" + stock_arch, tmp_path / "ours", nproc, [*extra, *ours_extra], task)
+def _run_case(data, task, stock_arch, nproc, extra, tmp_path, ours_extra=FORCED, max_update=SLOW_UPDATES):
+    stock = _train(data, stock_arch, tmp_path / "stock", nproc, extra, task, max_update)
+    ours = _train(data, "embrace_" + stock_arch, tmp_path / "ours", nproc, [*extra, *ours_extra], task, max_update)
     keys = ("loss", "nll_loss", "ppl", "gnorm") + (("accuracy",) if "--report-accuracy" in extra else ())
-    _assert_same(stock, ours, f"{stock_arch} x{nproc} {' '.join(extra)}", keys)
+    _assert_same(stock, ours, f"{stock_arch} x{nproc} {' '.join(extra)}", keys, max_update)
     return stock, ours
 
 
@@ -82,7 +85,7 @@ def test_untied_label_smoothing_two_ranks(mt_data, tmp_path):
     extra = [*LS, "--ignore-prefix-size", "1", "--update-freq", "2", "--clip-norm", "0.05"]
     trace = tmp_path / "trace"
     stock, ours = _run_case(mt_data, "translation", "transformer", 2, extra, tmp_path,
-                            ours_extra=[*FORCED, "--embrace-trace", str(trace)])
+                            ours_extra=[*FORCED, "--embrace-trace", str(trace)], max_update=UPDATES)
     assert _took_vocab_parallel(ours), ours.output[-3000:]
     # the criterion started every loss's token-count gather before the model's forward
     # (on the overlapped lane), none was gathered by the loss itself
@@ -91,7 +94,7 @@ def test_untied_label_smoothing_two_ranks(mt_data, tmp_path):
     for rank in range(2):
         events = json.loads((trace / f"trace.rank{rank}.json").read_text())["traceEvents"]
         counts = [e["tid"] for e in events if e.get("name") == "softmax_stats" and e["args"].get("bytes") == 8]
-        assert len(counts) >= 40 and set(counts) == {TABLE_TID}, counts
+        assert len(counts) >= 2 * UPDATES and set(counts) == {TABLE_TID}, counts  # one a micro-batch
     print([ln for ln in ours.output.splitlines() if "EmbRace output layer" in ln])
     from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
     from embrace_fairseq.guards.safe_load import load as safe_load
