@@ -23,7 +23,7 @@ import torch
 import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers embrace_bart*, allow-lists checkpoint globals)
 
 from bart_corpus import MBART_LANGS, make_denoising_corpus, make_mbart_corpus
-from fairseq_corpus import losses_by_update, run_ds_train, run_fairseq_tool, run_fairseq_train
+from fairseq_corpus import losses_by_update, run_ds_train, run_fairseq_tool, run_fairseq_tool_each, run_fairseq_train
 
 PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
 REL = 1e-4
@@ -131,8 +131,8 @@ def test_mbart_finetune_two_ranks_vocab_parallel_then_generate(mbart_data, tmp_p
 
     state = safe_load(str(tmp_path / "ours" / "checkpoint_last.pt"), fairseq_checkpoint_globals(), map_location="cpu")
     assert state["model"]["encoder.embed_tokens.weight"].shape == (58, 16)  # 55 + [en_XX] [de_DE] <mask>
-    gen = [run_fairseq_tool("fairseq-generate", [str(data), "--path", str(tmp_path / d / "checkpoint_last.pt"),
-                                                 *GENERATE]).check() for d in ("stock", "ours")]
+    gen = run_fairseq_tool_each("fairseq-generate", [[str(data), "--path", str(tmp_path / d / "checkpoint_last.pt"),
+                                                      *GENERATE] for d in ("stock", "ours")])
     _assert_same_hypotheses(*map(_hypotheses, gen))
     assert len(_hypotheses(gen[1])) >= 10
 
