@@ -1,12 +1,14 @@
 """``embrace_roberta*`` (RoBERTa / XLM-R) against stock ``roberta``.
 
-Default run: the real ``fairseq-train --user-dir user_dir`` on 2 ranks with the
-vocab-parallel head and ``--update-freq 2`` logs the stock per-update losses and
-gradient norms (relative 1e-4). Slow: in process, one ``masked_lm`` step on 2 and 3
-ranks, the LM head forced vocab-parallel and one rank's batch without a masked token
-(it still takes part in every collective, or the step would hang): each rank's loss
-equals the stock model's, and the gradients (averaged over ranks, the table's rows on
-their owners) equal the stock ones; the gather path; with fairseq-train: 3 ranks (uneven shards), the automatic and gather
+Default run: in process, one ``masked_lm`` step on 2 ranks, the LM head forced
+vocab-parallel and one rank's batch without a masked token (it still takes part in every
+collective, or the step would hang), then the gather path with the other rank's batch
+empty: each rank's loss equals the stock model's, and the gradients (averaged over ranks,
+the table's rows on their owners) equal the stock ones. Slow: the same on 3 ranks; the
+real ``fairseq-train --user-dir user_dir`` on 2 ranks with the vocab-parallel head and
+``--update-freq 2`` logging the stock per-update losses and gradient norms (relative 1e-4;
+``fairseq-train`` itself, ``--update-freq 2`` and the vocab-parallel output under it are in
+the default run with the translation families); 3 ranks (uneven shards), the automatic and gather
 paths, ``embrace-ds-train``, ``sentence_prediction`` fine-tuning from a stock masked-LM
 checkpoint, ``fairseq-validate``, the hub interface, and the export back to stock.
 
@@ -63,7 +65,6 @@ def _check_step(results, world, mode, empty_rank):
         assert res["shard_rows"] == len(range(rank, VOCAB, world))  # strided: 1/N of the rows
 
 
-@pytest.mark.slow  # ~10 s; the default run's fairseq-train test below covers 2 ranks with the vocab-parallel head
 def test_masked_lm_step_empty_rank_two_ranks(dict_dir):
     configs = [dict(mode="vocab-parallel", empty_rank=1), dict(mode="gather", empty_rank=0)]
     results = run_ranks(masked_lm_steps, 2, dict_dir, configs, timeout_s=180)
@@ -104,6 +105,7 @@ def _took(run, path):
     return f"EmbRace output layer: {path}" in run.output
 
 
+@pytest.mark.slow  # two fairseq-train launches; the default run has the in-process step above
 def test_fairseq_train_vocab_parallel_update_freq_two_ranks(lm_data, tmp_path):
     extra = ["--update-freq", "2"]
     stock = _train(lm_data, "roberta", tmp_path / "stock", 2, extra)
