@@ -117,6 +117,7 @@ def test_generate_loads_torchrun_checkpoint(legacy_run: Dict[str, object], corpu
     assert len(hyps) > 0 and "BLEU" in run.stdout
 
 
+@pytest.mark.slow  # a torchrun launch; the default run has test_torchrun_env_fills_the_config_on_cpu below
 def test_world_size_contradicting_torchrun_is_an_error(corpus: Path, tmp_path: Path) -> None:
     run = run_fairseq_train(
         [str(corpus), *TINY_TRANSFORMER, *COMMON, "--max-update", "1",
