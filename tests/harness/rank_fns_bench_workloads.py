@@ -12,8 +12,9 @@ import torch
 def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[str, int], steps: int, data: str,
                      cache: str, strategies: Sequence[str] = ("fairseq_c10d", "embrace_schedule")) -> Dict[str, dict]:
     """Per workload: each strategy's losses over ``steps`` steps of the same batches, its
-    token table's rows (the full table: stock's parameter, EmbRace's plan) and this rank's
-    shard rows. ``tokens[name]``: the workload's tokens per rank for this run."""
+    token table's rows (the full table: stock's parameter, EmbRace's plan), this rank's
+    shard rows and the model's parameter counts (:func:`W.dense_layers`' groups too).
+    ``tokens[name]``: the workload's tokens per rank for this run."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -39,9 +40,14 @@ def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[s
             losses: List[float] = [s.step(b.get(i, rank)) for i in range(steps)]
             s.settle()
             sharded = isinstance(table, ShardedEmbedding)
+            layers = W.dense_layers(s.module, w)
             rec[strat] = {"losses": losses, "rows": int(table.num_embeddings),
                           "shard_rows": int(table.weight.shape[0]), "sharded": sharded,
-                          "target_tokens": [b.target_tokens(i, rank) for i in range(steps)]}
+                          "target_tokens": [b.target_tokens(i, rank) for i in range(steps)],
+                          "parameters": sum(p.numel() for p in s.module.parameters()),
+                          "table_numel": int(table.weight.numel()),
+                          "dense_numel": sum(l["numel"] for l in layers),
+                          "layer_groups": sum(".layers." in l["name"] for l in layers)}
             if s.engine is not None:
                 s.engine.embrace.close() if getattr(s.engine, "embrace", None) is not None else None
             del s

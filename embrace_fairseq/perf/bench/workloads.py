@@ -173,9 +173,11 @@ def workload_shape(name: str) -> Dict[str, Any]:
 
     For ``xlmr``, ``mbart`` and ``m2m``: the real model's name, its vocabulary and embedding
     share (from its published dims), the workload's own rows and embedding share (from its
-    dims, by the same count), tokens per rank and masked share (the share of positions the
-    loss is computed on: 0.15 for the masked LM, None for translation, whose loss reads every
-    target token). Other workloads are shaped after no named model: those fields are None.
+    dims, by the same count), tokens per rank (the masked LM's exact count; translation's
+    ``--max-tokens`` bound, which fairseq's batches fill up to with padding, so their target
+    tokens are fewer) and masked share (the share of positions the loss is computed on: 0.15
+    for the masked LM, None for translation, whose loss reads every target token). Other
+    workloads are shaped after no named model: those fields are None.
     """
     from embrace_fairseq.perf.bench import large_vocab as LV
 
