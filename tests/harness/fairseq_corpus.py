@@ -12,6 +12,9 @@ exactly what a user types.
 """
 from __future__ import annotations
 
+import atexit
+import functools
+import inspect
 import json
 import os
 import random
@@ -19,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -120,6 +124,45 @@ def fresh_corpus(tmpdir: PathLike, seed: int, vocab_size: int, outputs: Sequence
     return tmp, raw, folders, random.Random(seed), [f"w{i}" for i in range(vocab_size)]
 
 
+#: pristine copies of the corpora built in this process: {(builder, its arguments): folder}
+_BUILT: Dict[Any, Path] = {}
+
+
+def _reused_when_built_before(builder):
+    """A corpus builder that, called again in the same process with the same arguments (but
+    another ``tmpdir``), copies the first build's ``raw`` and output folders into ``tmpdir``
+    instead of running ``fairseq-preprocess`` again (a process start and an import of fairseq,
+    about 5 s on two cores; several test modules binarise the same corpus). The copy is made
+    from a private pristine copy, so a test that damages its data cannot reach another."""
+    signature = inspect.signature(builder)
+
+    @functools.wraps(builder)
+    def build(tmpdir: PathLike, **kwargs: Any) -> Path:
+        bound = signature.bind(tmpdir, **kwargs)
+        bound.apply_defaults()
+        key = (builder.__name__, json.dumps({k: v for k, v in bound.arguments.items() if k not in ("tmpdir", "timeout",
+                                                                                                   "in_process")},
+                                            sort_keys=True, default=list))
+        tmp = Path(tmpdir)
+        if key not in _BUILT:
+            dest = builder(tmpdir, **kwargs)
+            pristine = Path(tempfile.mkdtemp(prefix="embrace_corpus_"))
+            atexit.register(shutil.rmtree, pristine, True)
+            for sub in ("raw", dest.name):
+                shutil.copytree(tmp / sub, pristine / sub)
+            _BUILT[key] = pristine
+            return dest
+        pristine = _BUILT[key]
+        tmp.mkdir(parents=True, exist_ok=True)
+        for sub in pristine.iterdir():
+            shutil.rmtree(tmp / sub.name, ignore_errors=True)
+            shutil.copytree(sub, tmp / sub.name)
+        return tmp / "data-bin"
+
+    return build
+
+
+@_reused_when_built_before
 def make_translation_corpus(
     tmpdir: PathLike,
     *,
@@ -161,6 +204,7 @@ def make_translation_corpus(
     return dest
 
 
+@_reused_when_built_before
 def make_lm_corpus(
     tmpdir: PathLike,
     *,
