@@ -1,9 +1,11 @@
 """``python -m embrace_fairseq.perf.simulator validate|paper|measure``.
 
 ``validate BENCH_JSON [--fit]``: prediction error against a bench JSON's measured runs;
-``validate BENCH_JSON --out-of-sample [--fit-on MODEL:GBIT]``: knobs fitted on one model
-and link, every other run predicted with them;
+``validate BENCH_JSON --out-of-sample [--fit-on MODEL:GBIT|MODEL:REGIME]``: knobs fitted on
+one model and link (a regime run's link is named by its regime), every other run predicted;
 ``paper [--out results/simulator/]``: 8 to 64 GPUs for the paper's models;
+``regimes [--out results/simulator/regime_projection]``: the released models in the
+compute-matched regimes at 16-64 GPUs;
 ``measure``: time the stock translation Transformer on this CPU (a profile JSON).
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 from embrace_fairseq.perf.simulator.measure import measure_translation_profile
 from embrace_fairseq.perf.simulator.paper import latency_sensitivity, markdown, paper_study, plot
@@ -40,11 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--out-of-sample", action="store_true",
                    help="fit the network knobs on one model and link only, predict every other run with them "
                         "(the knobs given above are not used)")
-    v.add_argument("--fit-on", type=_fit_on, metavar="MODEL:GBIT",
-                   help="with --out-of-sample: the runs to fit on (default: the first model, its lowest link)")
+    v.add_argument("--fit-on", type=_fit_on, metavar="MODEL:GBIT|MODEL:REGIME",
+                   help="with --out-of-sample: the runs to fit on, the link by its Gbit/s or, for runs calibrated to "
+                        "regimes, by the regime's name (default: the first model at its lowest link / first regime)")
     v.add_argument("--out", help="write the comparison JSON here")
     p = sub.add_parser("paper", help="8-64 GPU projection of the paper's models (as built, every stock baseline)")
     p.add_argument("--out", default="results/simulator/")
+    r = sub.add_parser("regimes", help="16-64 GPU projection of the released models in the compute-matched regimes")
+    r.add_argument("--out", default="results/simulator/regime_projection",
+                   help="path stem: writes STEM.json, STEM.md and STEM.png")
     m = sub.add_parser("measure", help="time the stock translation Transformer on this CPU (a profile JSON)")
     m.add_argument("--data", default="data/deen/bin")
     m.add_argument("--max-tokens", type=int, default=512)
@@ -84,15 +90,22 @@ def _print_validation(res: dict) -> None:
         print(f"mean |error| of the speedups: {100 * res['speedup_mean_abs_rel_error']:.1f}%")
 
 
-def _fit_on(text: str) -> Tuple[str, float]:
-    """``MODEL:GBIT`` (the model name may hold colons; the link is after the last one)."""
-    model, sep, gbit = text.rpartition(":")
+def _fit_on(text: str) -> Tuple[str, Union[float, str]]:
+    """``MODEL:GBIT`` or ``MODEL:REGIME`` (the model name may hold colons; the link is after
+    the last one: a number is a rate in Gbit/s, a known regime's name a regime)."""
+    from embrace_fairseq.perf.simulator.regimes import get_regime
+
+    model, sep, link = text.rpartition(":")
+    if not (sep and model and link):
+        raise argparse.ArgumentTypeError(f"expected MODEL:GBIT or MODEL:REGIME, got {text!r}")
     try:
-        if not (sep and model):
-            raise ValueError
-        return model, float(gbit)
+        return model, float(link)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MODEL:GBIT, got {text!r}") from None
+        pass
+    try:
+        return model, get_regime(link).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected MODEL:GBIT or MODEL:REGIME, got {text!r}: {exc}") from None
 
 
 def _pct(x: Optional[float], signed: bool = False) -> str:
@@ -104,29 +117,38 @@ def _print_out_of_sample(res: dict) -> None:
         print(f"out of sample: nothing predicted ({res['skipped']})")
         return
     f, k = res["fitted_on"], res["knobs"]
-    where = f"{f['model']} at {f['link_gbit']:g} Gbit/s" + (f", {f['world_size']} ranks" if "world_size" in f else "")
+    where = (f"{f['model']} in {f['regime']} (calibrated {f['link_gbit']:.3g} Gbit/s)" if "regime" in f
+             else f"{f['model']} at {f['link_gbit']:g} Gbit/s") + (f", {f['world_size']} ranks" if "world_size" in f else "")
     print(f"fitted on {where} ({f['runs']} runs): efficiency {k['efficiency']:.2f}, overhead "
           f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte; "
           f"in-sample mean |error| {_pct(res['in_sample']['mean_abs_rel_error'])}; compute from {res['compute']}")
-    print(f"{'model':12s} {'N':>3s} {'Gbit':>5s} {'strategy':20s} {'measured':>9s} {'predicted':>9s} "
+    print(f"{'model':12s} {'N':>3s} {'link':>10s} {'strategy':20s} {'measured':>9s} {'predicted':>9s} "
           f"{'error':>7s}  set")
     for r in res["runs"]:
-        print(f"{r['model']:12s} {r['world_size']:3d} {r['link_gbit']:5g} {r['strategy']:20s} "
+        link = f"{r['regime']}" if r.get("regime") else f"{r['link_gbit']:g} Gbit"
+        print(f"{r['model']:12s} {r['world_size']:3d} {link:>10s} {r['strategy']:20s} "
               f"{r['measured_s']:9.4f} {r['predicted_s']:9.4f} {100 * r['rel_error']:+6.1f}%  "
               f"{'held out' if r['held_out'] else 'fit'}")
     print("held out, per model and link (error = (predicted - measured) / measured):")
-    print(f"{'model':12s} {'Gbit':>5s} {'runs':>4s} {'mean':>7s} {'mean |e|':>8s} {'max |e|':>8s}")
+    print(f"{'model':12s} {'link':>22s} {'runs':>4s} {'mean':>7s} {'mean |e|':>8s} {'max |e|':>8s}")
     for m, s in res["by_model"].items():
         links = [x for x in res["by_model_link"] if x["model"] == m]
         # a model's own line where it has several links
         for g in links + ([dict(s, link_gbit=None)] if len(links) > 1 else []):
-            link = "all" if g["link_gbit"] is None else f"{g['link_gbit']:g}"
-            print(f"{m:12s} {link:>5s} {g['count']:4d} {_pct(g['mean_signed_rel_error'], True):>7s} "
+            link = ("all" if g["link_gbit"] is None else
+                    f"{g['regime']} ({g['link_gbit']:.3g} Gbit)" if g.get("regime") else f"{g['link_gbit']:g} Gbit")
+            print(f"{m:12s} {link:>22s} {g['count']:4d} {_pct(g['mean_signed_rel_error'], True):>7s} "
                   f"{_pct(g['mean_abs_rel_error']):>8s} {_pct(g['max_abs_rel_error']):>8s}")
+    target = f"{100 * res['target_mean_abs_rel_error']:.0f} %"
+    if res.get("target_per") == "model":
+        missed = [m for m, ok in res["by_model_within_target"].items() if not ok]
+        print(f"held out: mean |error| {_pct(res['held_out_mean_abs_rel_error'])} over {res['held_out']['count']} "
+              f"runs; per workload " + ("within" if res["within_target"] else "NOT within")
+              + f" the {target} target" + (f" (missed: {', '.join(missed)})" if missed else ""))
+        return
     print(f"held out: mean |error| {_pct(res['held_out_mean_abs_rel_error'])} over {res['held_out']['count']} runs "
           f"(mean signed {_pct(res['held_out']['mean_signed_rel_error'], True)}): "
-          + ("within" if res["within_20pct"] else "NOT within")
-          + f" the {100 * res['target_mean_abs_rel_error']:.0f} % target")
+          + ("within" if res["within_target"] else "NOT within") + f" the {target} target")
 
 
 def _write_json(res: dict, out: Optional[str]) -> None:
@@ -181,9 +203,20 @@ def _paper(a: argparse.Namespace) -> int:
     return 0
 
 
+def _regimes(a: argparse.Namespace) -> int:
+    from embrace_fairseq.perf.simulator.regime_projection import write_projection
+
+    paths, md = write_projection(Path(a.out), command="python -m embrace_fairseq.perf.simulator "
+                                 + " ".join(sys.argv[1:] if a.argv is None else a.argv))
+    print(md)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = _parser().parse_args(argv)
-    return {"measure": _measure, "validate": _validate, "paper": _paper}[a.cmd](a)
+    a.argv = None if argv is None else list(argv)
+    return {"measure": _measure, "validate": _validate, "paper": _paper, "regimes": _regimes}[a.cmd](a)
 
 
 if __name__ == "__main__":

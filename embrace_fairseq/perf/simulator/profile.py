@@ -16,7 +16,10 @@ class Profile:
     projection reads the full table through an all-gather, its gradient a
     reduce-scatter) or ``"vocab_parallel"`` (hidden states and softmax statistics
     exchanged instead, docs/DESIGN.md); EmbRace's models choose between the two per
-    step from the token counts.
+    step from the token counts. ``output_tokens_per_rank``: the tokens the output layer
+    scores where fewer than ``tokens_per_rank`` (a masked LM's masked positions; None: all).
+    A model of several token tables (an encoder's and a decoder's) is one table of their
+    rows together, in one id space (the bench's profiles say so).
     """
 
     name: str
@@ -87,6 +90,9 @@ class Profile:
                 element_size=int(d.get("element_size", 4)),
                 id_size=int(d.get("id_size", 4)),
                 zipf_s=float(d.get("zipf_s", 1.0)),
+                # a masked LM scores a share of the positions it looks up
+                output_tokens_per_rank=(float(d["output_tokens_per_rank"])
+                                        if d.get("output_tokens_per_rank") is not None else None),
             )
         except KeyError as exc:
             raise ValueError(f"profile {name!r} lacks the field {exc}") from None

@@ -1,0 +1,198 @@
+"""The released models in the compute-matched regimes at 16-64 GPUs (``regimes`` command).
+
+Each model of :mod:`.real_models` (the ones the benchmark's workloads stand for) on the
+GPUs and networks of :mod:`.regimes` (v100-25g, a100-100g): EmbRace with the 2D schedule
+as built (:data:`.paper.AS_BUILT`, the tied output read as the automatic rule picks per
+world size) against every registered stock strategy and the compute-only floor, through
+:func:`.paper.projected`. Two topologies (:data:`.paper.TOPOLOGIES`): *flat*, one NIC of
+the regime's rate per GPU (the regime as stated, the benchmark's calibration), and *nodes
+of 8*, eight GPUs behind one NIC of eight times the regime's rate (the same bandwidth per
+GPU off the node) with NVLink-class links inside. Compute, latency and fp16 wire bytes are
+the regime's (stated, not measured: :mod:`.regimes`). No benchmark is read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.perf.simulator.paper import AS_BUILT, TOPOLOGIES, Topology, projected, stock_baselines
+from embrace_fairseq.perf.simulator.predict import predict
+from embrace_fairseq.perf.simulator.profile import Options
+from embrace_fairseq.perf.simulator.real_models import REAL_MODELS, RealModel
+from embrace_fairseq.perf.simulator.regimes import C10D, FLOOR, REGIMES, Regime, regime_terms
+from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, get_strategy
+
+WORLDS = (16, 32, 64)
+
+
+def regime_network(regime: Regime, topo: Topology) -> Network:
+    """The regime's network on ``topo``: its rate and latency per GPU; on nodes, the node's
+    NIC carries its GPUs' rates together."""
+    return Network(regime.gbit_per_gpu * topo.ranks_per_node, latency_s=regime.latency_s,
+                   ranks_per_node=topo.ranks_per_node, intra_gbit=topo.intra_gbit)
+
+
+def project(model: RealModel, regime: Regime, world: int, topo: Topology = TOPOLOGIES[0],
+            opts: Options = AS_BUILT) -> dict:
+    """One setting: :func:`.paper.projected`'s steps and speedups, c10d's communication
+    seconds (the link's busy time) and its share of the floor's step."""
+    prof = model.profile(regime)
+    net = regime_network(regime, topo)
+    row = projected(prof, world, net, opts)
+    c10d_comm = predict(prof, C10D, world, net, opts).comm_s
+    best = row["best_baseline"]
+    return dict(row, model=model.name, regime=regime.name, topology=topo.name, link_gbit=net.link_gbit,
+                c10d_comm_s=c10d_comm, c10d_comm_over_floor=c10d_comm / row["step_s"][FLOOR],
+                speedup_over_best=row["speedup_of_embrace_schedule"][best])
+
+
+def regime_study(models: Optional[Dict[str, RealModel]] = None, regimes: Optional[Dict[str, Regime]] = None,
+                 worlds: Sequence[int] = WORLDS, topologies: Sequence[Topology] = TOPOLOGIES) -> dict:
+    """Every model, regime, topology and world size, as built."""
+    models = REAL_MODELS if models is None else models
+    regimes = REGIMES if regimes is None else regimes
+    out = {
+        "assumptions": {
+            "regimes": {name: r.as_dict() for name, r in regimes.items()},
+            "topologies": {t.name: {"ranks_per_node": t.ranks_per_node, "intra_gbit": t.intra_gbit,
+                                    "node_nic": "the regime's Gbit/s per GPU times the GPUs of a node"}
+                           for t in topologies},
+            "embrace": {"shard_layout": AS_BUILT.shard_layout, "bucket_bytes": AS_BUILT.embrace_bucket_bytes,
+                        "piece_bytes": AS_BUILT.embrace_piece_bytes, "relaxed_embedding": AS_BUILT.defer_rows,
+                        "tied_output": "the automatic rule per world size (vocab-parallel where its bytes are "
+                                       "below the table all-gather's)"},
+            "baselines": stock_baselines(),
+            "compute": "6 training FLOPs per parameter per token plus attention scores and the output layer at the "
+                       "regime's sustained FLOP/s; backward 2x forward; Adam 32 bytes per parameter at the "
+                       "regime's memory rate (perf/simulator/paper.py, real_models.py)",
+        },
+        "models": {},
+    }
+    for name, model in models.items():
+        results = []
+        for regime in regimes.values():
+            ratio = {w: regime_terms(model.profile(regime), regime, w)["ratio"] for w in worlds}
+            for topo in topologies:
+                for w in worlds:
+                    results.append(dict(project(model, regime, w, topo), c10d_ratio_flat=ratio[w]))
+        out["models"][name] = {"description": model.description, "results": results}
+    return out
+
+
+# ------------------------------------------------------------------ the markdown and the plot
+
+
+def _select(study: dict, model: str, **want) -> List[dict]:
+    return [r for r in study["models"][model]["results"] if all(r[k] == v for k, v in want.items())]
+
+
+def _short(s: str) -> str:
+    return get_strategy(s).short
+
+
+def _headline(study: dict, topo: str, worlds: Sequence[int]) -> List[str]:
+    L = [f"| model | regime | " + " | ".join(f"{w} GPUs" for w in worlds) + " |",
+         "|---|---" + "|---" * len(worlds) + "|"]
+    for name in study["models"]:
+        for regime in study["assumptions"]["regimes"]:
+            cells = []
+            for w in worlds:
+                (r,) = _select(study, name, regime=regime, topology=topo, world_size=w)
+                cells.append(f"{r['speedup_over_best']:.2f}x ({_short(r['best_baseline'])})")
+            L.append(f"| {name} | {regime} | " + " | ".join(cells) + " |")
+    return L + [""]
+
+
+def _detail(study: dict, topo: str, world: int) -> List[str]:
+    cols = study["assumptions"]["baselines"]
+    L = [f"### {topo}, {world} GPUs", "",
+         "| model | regime | output | c10d comm / floor | " + " | ".join(_short(s) for s in cols)
+         + " | (e) step ms | floor ms | (e) over floor | best baseline over floor |",
+         "|---|---|---|---" + "|---" * len(cols) + "|---|---|---|---|"]
+    for name in study["models"]:
+        for r in _select(study, name, topology=topo, world_size=world):
+            sp, fl = r["speedup_of_embrace_schedule"], r["over_floor"]
+            L.append(f"| {name} | {r['regime']} | {r['output'] or 'untied'} | {r['c10d_comm_over_floor']:.2f} | "
+                     + " | ".join(f"{sp[s]:.2f}x" for s in cols)
+                     + f" | {1e3 * r['step_s'][SPEEDUP_SUBJECT]:.1f} | {1e3 * r['step_s'][FLOOR]:.1f} | "
+                     f"{fl[SPEEDUP_SUBJECT]:.2f} | {fl[r['best_baseline']]:.2f} ({_short(r['best_baseline'])}) |")
+    return L + [""]
+
+
+def markdown(study: dict) -> str:
+    """Assumptions, the headline per topology ((e) over the fastest stock baseline), and a
+    table per topology and world size (every baseline, the floor, c10d's share)."""
+    a = study["assumptions"]
+    worlds = sorted({r["world_size"] for m in study["models"].values() for r in m["results"]})
+    regimes = "; ".join(f"**{n}**: {r['sustained_flops'] / 1e12:g} TFLOP/s sustained, "
+                        f"{r['memory_bytes_per_s'] / 1e12:g} TB/s for the optimizer, {r['gbit_per_gpu']:g} Gbit/s per "
+                        f"GPU, {1e6 * r['latency_s']:g} µs per message step, {r['wire_bytes']}-byte gradients"
+                        for n, r in a["regimes"].items())
+    src = study.get("source") or {}
+    L = ["# EmbRace in the compute-matched regimes, 16-64 GPUs (simulator)", "",
+         f"Written by `{study.get('command', 'python -m embrace_fairseq.perf.simulator regimes')}` at commit "
+         f"{src.get('commit') or 'unknown'}{' (tree with changes)' if src.get('dirty') else ''}.", "",
+         "Assumptions (stated, not measured):", "",
+         f"* Regimes: {regimes}.",
+         f"* Compute: {a['compute']}.",
+         "* Topologies: **flat**, one NIC of the regime's rate per GPU; **nodes_of_8**, 8 GPUs behind one NIC of 8x "
+         "the regime's rate, 1000 Gbit/s between the GPUs of a node, rings in node order.",
+         f"* EmbRace (e) as built: {a['embrace']['shard_layout']} shards, {a['embrace']['bucket_bytes'] >> 20} MB "
+         f"buckets in {a['embrace']['piece_bytes'] >> 20} MB pieces, relaxed embedding dependency off, the tied "
+         "output by the automatic rule (stated per row).",
+         "* Baselines: " + ", ".join(get_strategy(s).label for s in a["baselines"]) + ". \"c10d comm / floor\" is "
+         "c10d's communication seconds over the compute-only step: the share the benchmark's `--regime` "
+         "calibration reproduces (there at its own world size).", "",
+         "## Headline: (e) over the fastest stock baseline (named), flat", ""]
+    L += _headline(study, "flat", worlds)
+    for topo in [t for t in a["topologies"] if t != "flat"]:
+        L += [f"## (e) over the fastest stock baseline, {topo}", ""] + _headline(study, topo, worlds)
+    L += ["Cells: the fastest stock baseline's step over (e)'s (above 1: (e) is faster).", "", "## Per world size", ""]
+    for topo in a["topologies"]:
+        for w in worlds:
+            L += _detail(study, topo, w)
+    return "\n".join(L) + "\n"
+
+
+def plot(study: dict, path: Path) -> None:
+    """Per topology and model: (e)'s speedup over the fastest stock baseline per regime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models, topologies = list(study["models"]), list(study["assumptions"]["topologies"])
+    fig, axes = plt.subplots(len(topologies), len(models), figsize=(3.2 * len(models), 3.0 * len(topologies)),
+                             squeeze=False, sharey=True)
+    for row, topo in enumerate(topologies):
+        for ax, name in zip(axes[row], models):
+            for i, regime in enumerate(study["assumptions"]["regimes"]):
+                sub = sorted(_select(study, name, regime=regime, topology=topo), key=lambda r: r["world_size"])
+                ax.plot([r["world_size"] for r in sub], [r["speedup_over_best"] for r in sub], "-o", ms=3,
+                        color=f"C{i}", label=regime)
+            ax.axhline(1.0, color="gray", lw=0.5)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("GPUs")
+            ax.set_title(f"{name}, {topo}", fontsize=8)
+        axes[row][0].set_ylabel("(e) over fastest baseline")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_projection(stem: Path, command: str) -> Tuple[List[Path], str]:
+    """``stem``.json, .md and .png of :func:`regime_study`, with the command and the commit."""
+    from embrace_fairseq.perf.provenance import source_state
+
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    study = dict(command=command, source=source_state(), **regime_study())
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
+    paths[0].write_text(json.dumps(study, indent=1))
+    md = markdown(study)
+    paths[1].write_text(md)
+    plot(study, paths[2])
+    return paths, md
