@@ -268,13 +268,25 @@ def test_lm_three_ranks_and_eval_lm(lm_data, tmp_path):
     assert abs(a - b) <= 1e-3, (a, b)  # eval-lm prints 4 decimals
 
 
-@pytest.mark.parametrize("flags,message", [
+STARTUP_ERRORS = [
     (["--arch", "embrace_transformer_lm", "--adaptive-input", "--adaptive-input-cutoff", "20",
       "--adaptive-softmax-cutoff", "20"], "--adaptive-input"),
     (["--arch", "embrace_transformer_lm", "--fp16"], "needs a CUDA device"),
-])
-def test_startup_errors(flags, message, lm_data, tmp_path):
-    args = [str(lm_data), "--task", "language_modeling", *TINY_LM, "--cpu", "--optimizer", "adam",
-            "--lr", "0.001", "--max-tokens", "64", "--max-update", "1", "--save-dir", str(tmp_path), *flags]
-    run = run_fairseq_tool("fairseq-train", args)
+]
+
+
+@pytest.fixture(scope="module")
+def startup_error_runs(lm_data, tmp_path_factory):
+    """fairseq-train with each of STARTUP_ERRORS' flags, one process for all (each stops at start-up)."""
+    tmp = tmp_path_factory.mktemp("startup_errors")
+    return run_fairseq_tool_each("fairseq-train", [
+        [str(lm_data), "--task", "language_modeling", *TINY_LM, "--cpu", "--optimizer", "adam", "--lr", "0.001",
+         "--max-tokens", "64", "--max-update", "1", "--save-dir", str(tmp / str(i)), *flags]
+        for i, (flags, _) in enumerate(STARTUP_ERRORS)], check=False)
+
+
+@pytest.mark.parametrize("case", range(len(STARTUP_ERRORS)), ids=[m.strip("-") for _, m in STARTUP_ERRORS])
+def test_startup_errors(case, startup_error_runs):
+    run, message = startup_error_runs[case], STARTUP_ERRORS[case][1]
     assert run.returncode != 0 and message in run.output, run.output[-3000:]
+    assert not run.updates

@@ -415,14 +415,26 @@ def run_fairseq_tool(
 _NEXT_RUN = "=== embrace test harness: next run ==="
 
 _TOOL_EACH = (
-    "import importlib, json, sys\n"
-    "tool, runs, mark = json.loads(sys.stdin.read())\n"
+    "import importlib, json, sys, traceback\n"
+    "tool, runs, mark, check = json.loads(sys.stdin.read())\n"
     "cli_main = importlib.import_module('fairseq_cli.' + tool[len('fairseq-'):].replace('-', '_')).cli_main\n"
     "for argv in runs:\n"
     "    print(mark, flush=True)\n"
     "    print(mark, file=sys.stderr, flush=True)\n"
     "    sys.argv = [tool, *argv]\n"
-    "    cli_main()\n"
+    "    if check:\n"
+    "        cli_main()\n"
+    "        continue\n"
+    "    try:\n"
+    "        cli_main()\n"
+    "        code = 0\n"
+    "    except SystemExit as e:\n"
+    "        code = e.code if isinstance(e.code, int) else 1\n"
+    "    except BaseException:\n"
+    "        traceback.print_exc()\n"
+    "        code = 1\n"
+    "    sys.stdout.flush()\n"
+    "    print(f'{mark} exit {code}', file=sys.stderr, flush=True)\n"
 )
 
 
@@ -433,13 +445,16 @@ def run_fairseq_tool_each(
     timeout: float = 300,
     env: Optional[Mapping[str, str]] = None,
     user_dir: Optional[PathLike] = USER_DIR,
+    check: bool = True,
 ) -> List[FairseqRun]:
     """Run a fairseq console script (``fairseq-generate``, ``fairseq-eval-lm``, ...) once per
     argument list, all in one process: its entry point (``fairseq_cli.<tool>.cli_main``) called
     in turn, so fairseq is imported once (a process start and an import of fairseq cost about
-    5 s on two cores). Each run's output is its own :class:`FairseqRun`; all of them succeeded
-    (else this raises with the output's tail). ``--user-dir user_dir`` is added as by
-    :func:`run_fairseq_tool`."""
+    5 s on two cores). Each run's output is its own :class:`FairseqRun`. ``check=True``: all of
+    them succeeded (else this raises with the output's tail); ``check=False``: a run that raised
+    gets return code 1 (its ``SystemExit`` code if it exited) and its traceback in ``stderr``,
+    and the next run goes on (for start-up errors: each run stops before training).
+    ``--user-dir user_dir`` is added as by :func:`run_fairseq_tool`."""
     argvs = []
     for args in runs:
         args = list(args)
@@ -448,12 +463,18 @@ def run_fairseq_tool_each(
         argvs.append(args)
     cmd = [sys.executable, "-c", _TOOL_EACH]
     proc = _run(cmd, cwd=None, env=fairseq_env(env), timeout=timeout, check=True,
-                input_text=json.dumps([tool, argvs, _NEXT_RUN]))
+                input_text=json.dumps([tool, argvs, _NEXT_RUN, check]))
     outs = proc.stdout.split(_NEXT_RUN + "\n")[1:]
     errs = proc.stderr.split(_NEXT_RUN + "\n")[1:]
     assert len(outs) == len(errs) == len(argvs), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [FairseqRun([tool, *argv], 0, out, err, parse_json_records(out + "\n" + err))
-            for argv, out, err in zip(argvs, outs, errs)]
+    codes = [0] * len(argvs)
+    if not check:
+        for i, err in enumerate(errs):
+            m = re.search(re.escape(_NEXT_RUN) + r" exit (-?\d+)\n?$", err)
+            assert m, err[-3000:]
+            codes[i], errs[i] = int(m.group(1)), err[:m.start()]
+    return [FairseqRun([tool, *argv], code, out, err, parse_json_records(out + "\n" + err))
+            for argv, code, out, err in zip(argvs, codes, outs, errs)]
 
 
 def make_multilingual_corpus(
