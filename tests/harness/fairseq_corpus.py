@@ -142,7 +142,7 @@ def _reused_when_built_before(builder):
         bound.apply_defaults()
         key = (builder.__name__, json.dumps({k: v for k, v in bound.arguments.items() if k not in ("tmpdir", "timeout",
                                                                                                    "in_process")},
-                                            sort_keys=True, default=list))
+                                            sort_keys=True, default=str))
         tmp = Path(tmpdir)
         if key not in _BUILT:
             dest = builder(tmpdir, **kwargs)
