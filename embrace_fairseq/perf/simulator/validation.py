@@ -236,13 +236,17 @@ def fit_network(bench: dict, *, tied: Optional[Dict[str, str]] = None, opts: Opt
 
     A grid search minimising the mean relative error. For each field in ``holdouts``,
     the runs with each value of it are predicted by knobs fitted on the other runs (an
-    out-of-sample error: e.g. 10 Gbit/s predicted from knobs fitted at 1 Gbit/s).
+    out-of-sample error: e.g. 10 Gbit/s predicted from knobs fitted at 1 Gbit/s); for runs
+    calibrated to regimes the regime stands for the link.
     """
     search = _KnobSearch(bench, tied, opts, grid, oversubscription)
     k = search.best(lambda r: True)
     out = dict(search.knobs(k), in_sample_mean_abs_rel_error=search.mean_err(k, lambda r: True), holdout={})
+    rows = search.result(k)["runs"]
+    if any(r.get("regime") for r in rows):  # regime runs: the regime names the link (rates differ per model)
+        holdouts = ["regime" if h == "link_gbit" else h for h in holdouts]
     for field_name in holdouts:
-        values = sorted({r[field_name] for r in search.result(k)["runs"]})
+        values = sorted({r[field_name] for r in rows})
         if len(values) < 2:
             continue
         held = []
