@@ -3,6 +3,7 @@ the benchmark's own batches, several workloads in one spawned run (importing fai
 DeepSpeed dominates a run's cost)."""
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -35,10 +36,13 @@ def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[s
         b = W.build_task_and_batches(w, world, Path(data), Path(cache))
         rec: Dict[str, dict] = {}
         for strat in strategies:
+            t0 = time.perf_counter()
             s = builders.build(strat, w, b.task, Path(data), CollectiveCounter())
+            t1 = time.perf_counter()
             table = W.token_table_module(s.module, w)
             losses: List[float] = [s.step(b.get(i, rank)) for i in range(steps)]
             s.settle()
+            t2 = time.perf_counter()
             sharded = isinstance(table, ShardedEmbedding)
             layers = W.dense_layers(s.module, w)
             rec[strat] = {"losses": losses, "rows": int(table.num_embeddings),
@@ -47,7 +51,8 @@ def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[s
                           "parameters": sum(p.numel() for p in s.module.parameters()),
                           "table_numel": int(table.weight.numel()),
                           "dense_numel": sum(l["numel"] for l in layers),
-                          "layer_groups": sum(".layers." in l["name"] for l in layers)}
+                          "layer_groups": sum(".layers." in l["name"] for l in layers),
+                          "build_s": t1 - t0, "steps_s": t2 - t1}
             if s.engine is not None:
                 s.engine.embrace.close() if getattr(s.engine, "embrace", None) is not None else None
             del s

@@ -86,6 +86,15 @@ def test_batches_tokens_and_masked_share(prepared):
             n, s = x["net_input"]["src_tokens"].shape
             assert n * max(s, x["target"].shape[1]) <= TOKENS[name]  # fairseq's --max-tokens bound
             assert x["ntokens"] > 0.5 * TOKENS[name]
+    # one table per workload: every lookup of a step in one id list (one exchange)
+    for name, b in prepared.items():
+        x = b.get(1, 1)
+        ids = [x["net_input"]["src_tokens"].reshape(-1)]
+        if "prev_output_tokens" in x["net_input"]:
+            ids.append(x["net_input"]["prev_output_tokens"].reshape(-1))
+        (parts,) = b.table_ids(1, 1)
+        assert torch.equal(parts, torch.cat(ids)) and torch.equal(b.ids(1, 1), parts)
+        assert int(parts.max()) < ROWS[name]
     d = prepared["mbart"].task.source_dictionary
     x = prepared["mbart"].get(0, 0)
     assert x["net_input"]["src_tokens"][:, -1].eq(d.index("[de_DE]")).all()
@@ -181,10 +190,20 @@ def _agree(world, names, tokens, steps=2):
     return time.perf_counter() - t0
 
 
+SMALL = {"xlmr": 512, "mbart": 256, "m2m": 256}  # tokens per rank of the 2-rank runs
+
+
 def test_embrace_matches_stock_on_two_ranks(prepared):
     """Smaller batches of the same workloads (the full tables, the real text): the table and
-    the vocab-parallel output are what differ between the two."""
-    _agree(2, list(ROWS), {"xlmr": 512, "mbart": 256, "m2m": 256})
+    the vocab-parallel output are what differ between the two. The RoBERTa and BART
+    families here; ``m2m`` (the translation Transformer the other benchmark workloads
+    cover too) on 2 ranks is slow, for the default run's time."""
+    _agree(2, ["xlmr", "mbart"], SMALL)
+
+
+@pytest.mark.slow
+def test_embrace_matches_stock_on_two_ranks_m2m(prepared):
+    _agree(2, ["m2m"], SMALL)
 
 
 @pytest.mark.slow

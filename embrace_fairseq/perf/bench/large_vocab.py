@@ -54,7 +54,8 @@ small (d 16, two heads, 2 layers per stack, the feed-forward width chosen for th
 Measured on this 2-core machine while other jobs ran (one rank alone, forward + backward
 + Adam): ``xlmr`` about 13 s and a peak of 7.3 GB per rank (the masked positions' logits
 over 250k rows and the feed-forward activations of 8,192 tokens), ``m2m`` about 3.6 s and
-2.9 GB, ``mbart`` about 4.5 GB; the benchmark's profiles record each run's own times.
+2.9 GB, ``mbart`` about 16 s and 4.5 GB; the benchmark's profiles record each run's own
+times.
 
 **Text**: the German-English LibreOffice help of ``data/deen`` as the prepared data
 binarised it (the joint 8k sentencepiece model of ``data/deen/spm``, fairseq's joined
