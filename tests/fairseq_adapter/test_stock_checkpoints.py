@@ -43,17 +43,17 @@ FAMILIES = {
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
     """Binarised on first use: the default run needs only the monolingual one.
-    47 / 51 words + 4 specials, padded to 56 rows (masked_lm adds <mask>: 57)."""
+    47 / 51 words + 4 specials, padded to 56 rows (masked_lm adds <mask>: 57). The same
+    arguments as test_fairseq_plugin's corpora: a session that ran that module copies them."""
     made = {}
 
     def get(kind):
         if kind not in made:
             if kind == "translation":
-                made[kind] = make_translation_corpus(tmp_path_factory.mktemp("ck_mt"), vocab_size=51, n_train=40,
-                                                     n_valid=8, n_test=4)
+                made[kind] = make_translation_corpus(tmp_path_factory.mktemp("ck_mt"), vocab_size=51, n_train=240,
+                                                     n_valid=24)
             else:
-                made[kind] = make_lm_corpus(tmp_path_factory.mktemp("ck_lm"), vocab_size=47, n_train=40, n_valid=8,
-                                            n_test=4)
+                made[kind] = make_lm_corpus(tmp_path_factory.mktemp("ck_lm"), vocab_size=47, n_train=200, n_valid=20)
         return made[kind]
 
     return get
