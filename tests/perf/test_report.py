@@ -32,7 +32,7 @@ def _result():
                           [2.0, 1.0]),
              _rank_record(1, {"fairseq_legacy_ddp": [2.0, 1.0], "embrace_schedule": [0.25, 1.5]}, embrace_bytes,
                           [2.0, 1.0])]
-    batches = SimpleNamespace(workload=SimpleNamespace(model_args=[], tables=("decoder.embed_tokens.weight",)),
+    batches = SimpleNamespace(workload=SimpleNamespace(model_args=[], is_masked_lm=False, tables=("decoder.embed_tokens.weight",)),
                               ids=lambda step, rank: IDS[rank], table_ids=lambda step, rank: [IDS[rank]],
                               target_tokens=lambda step, rank: 5)
     meta = {"mode": "quick", "command": "test", "wall_s": 1.0, "versions": {}, "fallback_loopback": True,
@@ -81,7 +81,7 @@ def test_two_tables_add_their_minimums_and_count_the_dense_layers_once():
     ranks[0]["compute_profile"]["tables"] = [{"name": "encoder.embed_tokens.weight", "vocab": VOCAB, "dim": DIM},
                                              {"name": "decoder.embed_tokens.weight", "vocab": dec_vocab, "dim": DIM}]
     batches = SimpleNamespace(
-        workload=SimpleNamespace(model_args=[], tables=("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")),
+        workload=SimpleNamespace(model_args=[], is_masked_lm=False, tables=("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")),
         ids=lambda step, rank: torch.cat([IDS[rank], dec_ids[rank] + VOCAB]),
         table_ids=lambda step, rank: [IDS[rank], dec_ids[rank]], target_tokens=lambda step, rank: 5)
     meta = {"mode": "quick", "command": "test", "wall_s": 1.0, "versions": {}, "fallback_loopback": True,

@@ -20,6 +20,7 @@ from embrace_fairseq.perf.bench.calibration import limit_steps
 from embrace_fairseq.perf.bench.keys import link_key, record_link, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
+from embrace_fairseq.perf.bench.regime_goals import regime_goal_check
 from embrace_fairseq.perf.bench.workloads import tied_tables
 from embrace_fairseq.perf.bench.stats import (CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval,
                                                ratio_statistic)
@@ -409,6 +410,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
               "loss_max_rel_diff_vs_legacy_ddp": consistency}
     result["goal"] = goal_check(result)
     result["simulator"] = simulator_check(result)
+    result["regime_goals"] = regime_goal_check(result)
     return result
 
 
@@ -489,6 +491,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["meta"]["report_written_by"] = source_state()
         # derived from the runs, not measured: computed again by the code writing the report
         result["attainable"] = attainable_check(result["runs"], result["meta"])
+        result["regime_goals"] = regime_goal_check(result)
         paths = write_outputs(result, d)
         print(f"rewrote {', '.join(str(p) for p in paths)}")
     return 0
