@@ -50,3 +50,15 @@ def test_the_table_names_the_ranks_measured():
     text = "\n".join(goals_markdown(regime_goal_check(_result()), "x"))
     assert "| xlmr/w2/v100-25g | 2 | (e) over fairseq_c10d | 2.50x | 2.60x [2.40, 2.80] (8 steps) | MISSED |" in text
     assert goals_markdown([]) == []
+
+
+def test_performance_row_takes_the_fastest_baseline_and_the_limit():
+    from embrace_fairseq.perf.bench.regime_goals import performance_rows
+
+    r = _result()
+    r["ratio_intervals"]["xlmr/w2/v100-25g"]["sparse_allgather"] = _iv(1.5, 1.4, 1.6)
+    r["regimes"]["xlmr/w2/v100-25g"].update(regime="v100-25g", real_model="xlmr_base", gbit=0.0158)
+    r["meta"] = {"source": {"commit": "0123456789abcdef", "dirty": False}}
+    rows = performance_rows("results/x", r)
+    assert rows == ["| xlmr/w2/v100-25g | xlmr_base | 0.0158 | 1.50x [1.40, 1.60] (sparse_allgather) | "
+                    "2.60x [2.40, 2.80] | 1.10x [1.05, 1.14] | `results/x` | 0123456 |"]

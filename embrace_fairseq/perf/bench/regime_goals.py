@@ -117,12 +117,64 @@ def goals_markdown(rows: List[Dict[str, Any]], source: str = "") -> List[str]:
     return L + [""]
 
 
+TABLE_BEGIN = "<!-- regime-table:begin (python -m embrace_fairseq.perf.bench.regime_goals --write README.md DIR...) -->"
+TABLE_END = "<!-- regime-table:end -->"
+
+
+def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
+    """Per run key of a regime results file: the real model, the link the calibration set,
+    (e) over the fastest stock baseline of the run and over c10d, and (e)'s step over the
+    limit, each with its 95 % interval."""
+    rows = []
+    src = result.get("meta", {}).get("source") or {}
+    # a tree with uncommitted changes (other files than the bench's) is marked, not hidden
+    commit = src.get("commit", "?")[:7] + ("*" if src.get("dirty") else "")
+    for key, per in sorted((result.get("ratio_intervals") or {}).items()):
+        cal = (result.get("regimes") or {}).get(key) or {}
+        if not cal.get("regime"):
+            continue
+        base = {s: iv for s, iv in per.items() if s != FLOOR and not get_strategy(s).shards_table}
+        if not base:
+            continue
+        fastest = min(base, key=lambda s: base[s]["ratio"])
+        over = ((cal.get("limit") or {}).get("over_limit") or {}).get(SPEEDUP_SUBJECT)
+
+        def cell(iv: Optional[Dict[str, float]]) -> str:
+            return "-" if not iv else f"{iv['ratio']:.2f}x [{iv['low']:.2f}, {iv['high']:.2f}]"
+
+        rows.append(f"| {key} | {cal.get('real_model', '-')} | {cal.get('gbit', float('nan')):.3g} | "
+                    f"{cell(base[fastest])} ({fastest}) | {cell(base.get('fairseq_c10d'))} | {cell(over)} | "
+                    f"`{folder}` | {commit} |")
+    return rows
+
+
+def performance_table(folders: List[Path]) -> List[str]:
+    L = [TABLE_BEGIN,
+         "| run (workload/ranks/regime) | real model | link Gbit/s | (e) over the fastest baseline | (e) over c10d | "
+         "(e) step / limit | results | commit |", "|---|---|---|---|---|---|---|---|"]
+    for d in folders:
+        L += performance_rows(str(d), json.loads((d / "bench.json").read_text()))
+    return L + [TABLE_END]
+
+
+def _write_table(page: Path, table: List[str]) -> None:
+    text = page.read_text()
+    a, b = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    page.write_text(text[:a] + "\n".join(table) + text[b:])
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m embrace_fairseq.perf.bench.regime_goals",
                                  description="The regime goals of several results folders, as one table.")
     ap.add_argument("dirs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
+    ap.add_argument("--out", type=Path, default=None, help="write the goals here (markdown)")
+    ap.add_argument("--write", type=Path, default=None,
+                    help="replace the performance table between the regime-table markers of this page")
     a = ap.parse_args(argv)
+    if a.write:
+        _write_table(a.write, performance_table(a.dirs))
+        print(f"wrote the performance table of {len(a.dirs)} folder(s) into {a.write}")
+        return 0
     L = ["# Goals of the regime benchmark", ""]
     for d in a.dirs:
         result = json.loads((d / "bench.json").read_text())
