@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The regime benchmark: every link calibrated to a compute-matched regime instead of a fixed rate.
-#   scripts/bench_regime.sh            # about 45 min on a 2-core machine; results/bench/regime/
+#   scripts/bench_regime.sh            # about 55 min on a 2-core machine; results/bench/regime/
 #   OUT=/tmp/r ROUNDS=1 STEPS=1 scripts/bench_regime.sh   # a smoke run of the same plan
 # A regime (v100-25g: 30 TFLOP/s, 25 Gbit/s per GPU; a100-100g: 120 TFLOP/s, 100 Gbit/s per GPU;
 # perf/simulator/regimes.py) fixes the share of a step c10d's all-reduce takes on the released model a
@@ -9,21 +9,20 @@
 # regimes are the run's links, interleaved round by round. Each report gives the limit (the floor or
 # EmbRace's minimum bytes over the link, whichever is longer) and every strategy's step over it.
 # Runs (each its own bench.json and report.md under results/bench/regime/<run>/):
-#   w4            the main-job translation model, the tied GPT-style LM, the untied LM and the XLM-R,
-#                 mBART and M2M-100 workloads on 4 ranks: every stock baseline (c10d, DeepSpeed ZeRO-1
-#                 and ZeRO-2, sparse all-gather), EmbRace with the 2D schedule and the floor;
-#   ablation_w2   the schedule's parts on translation and mBART, 2 ranks pinned to a core each: no overlap,
-#                 FIFO overlap, the 2D schedule's priorities, + next-forward overlap, + relaxed embedding
-#                 dependency (and the floor);
-#   ablation_w4   the same on 4 ranks (2 ranks per core).
-# Time, estimated from results/bench/full/w4 (3 models x 8 strategies x 3 links x 16 steps in 1265 s:
-# ~70 s per launch to start the ranks and build the strategies, ~0.6-1.2 s per step at 4 ranks) and a
-# 2-rank regime smoke run (floor ~0.9 s at a load of 7): a step of a calibrated run takes about the floor
-# times (1 + 0.7 x the regime's c10d/floor ratio, 0.5 to 4 at 4 ranks), so one paired step of every
-# strategy, model and regime costs ~140 s in run A and ~40 s in the ablations; with ~900 s of launches,
-# warm-ups, calibrations and reports, ROUNDS x STEPS = 3 x 3 = 9 paired steps is ~900 + 9 x 180 s = ~42
-# min. The XLM-R, mBART and M2M workloads' step times were not measured when this was written (assumed
-# ~1 s at 4 ranks, like the tied LM); scale ROUNDS down if they are slower.
+#   w4            the main-job translation model, the tied GPT-style LM and the untied LM on 4 ranks:
+#                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather), EmbRace
+#                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 15 min);
+#   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
+#                 strategies; 3 rounds x 1 step (about 18 and 15 min). 4 ranks do not fit: an XLM-R
+#                 rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
+#                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
+#   ablation_w2   the schedule's parts on the translation model, 2 ranks pinned to a core each: no
+#                 overlap, FIFO overlap, the 2D schedule, + next-forward overlap, + relaxed embedding
+#                 dependency, and the floor; 3 rounds x 2 steps (about 6 min).
+# Not in the default plan: `MBART=1` adds the mBART workload on 2 pinned ranks. Its floor step is
+# about 20 s per rank on this machine and its real model's c10d / floor ratio is about 4, so a stock
+# strategy's step is about 100 s: one round of both regimes costs about 15 min, a run with an
+# interval about an hour.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
@@ -32,14 +31,18 @@ cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-results/bench/regime}"
 REGIMES=v100-25g,a100-100g
-STEPS_ARGS=(--rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-3}" --warmup 1)
-bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" "${STEPS_ARGS[@]}" "$@"; }
+bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" --warmup 1 "$@"; }
 
 BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather
 ABLATION=embrace_noschedule,embrace_fifo,embrace_schedule,embrace_next_forward,embrace_relaxed
 
-bench --models translation,gpt_lm,lm,xlmr,mbart,m2m --worlds 4 \
+bench --models translation,gpt_lm,lm --worlds 4 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
       --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/w4"
-bench --models translation,mbart --worlds 2 --pin-cores --strategies "$ABLATION,compute_floor" \
-      --out "$OUT/ablation_w2"
-bench --models translation,mbart --worlds 4 --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w4"
+for m in xlmr m2m ${MBART:+mbart}; do
+  bench --models "$m" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
+        --calibration-steps 2 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/${m}_w2"
+done
+bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+      --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w2"
+"$PY" -m embrace_fairseq.perf.bench.regime_goals "$OUT/w4" "$OUT/xlmr_w2" "$OUT/m2m_w2" "$OUT/ablation_w2" \
+      --out "$OUT/goals.md"
