@@ -17,10 +17,22 @@ from embrace_fairseq.tools.local_ranks import run_ranks  # noqa: E402
 RTOL = 1e-5
 
 
+_TWO_RANKS = []
+
+
+def _two_ranks():
+    """The 2-rank tiny models and the Transformer in one spawned run, shared by both tests."""
+    if not _TWO_RANKS:
+        _TWO_RANKS.append(run_ranks(R.tiny_and_transformer, 2, timeout_s=300, pg_timeout_s=120))
+    return _TWO_RANKS[0]
+
+
 # 3 ranks (an odd world) in the slow set: ~70 s of DeepSpeed start-ups on 2 cores
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_same_training_as_stock_deepspeed(world):
-    for rank, res in enumerate(run_ranks(R.tiny, world, timeout_s=300, pg_timeout_s=120)):
+    runs = [r["tiny"] for r in _two_ranks()] if world == 2 else run_ranks(R.tiny, world, timeout_s=300,
+                                                                            pg_timeout_s=120)
+    for rank, res in enumerate(runs):
         for tied in (False, True):
             ref, got = res[("stock", tied)], res[("next_forward", tied)]
             assert got["next_forward"], "no clipping, fp32, torch Adam: the overlap applies"
@@ -32,7 +44,7 @@ def test_same_training_as_stock_deepspeed(world):
 
 
 def test_transformer_layers_are_updated_inside_the_next_forward():
-    results = run_ranks(R.transformer, 2, timeout_s=300, pg_timeout_s=120)
+    results = [r["transformer"] for r in _two_ranks()]
     for rank, res in enumerate(results):
         ref, got = res[False], res[True]
         assert got["active"] and not ref["active"]

@@ -77,3 +77,9 @@ def _train_transformer(next_forward: bool) -> Dict[str, Any]:
     hook.close()
     return {"losses": losses, "state": state, "in_forward": in_forward, "events": events, "layers": layers,
             "buckets": len(hook.schedule.buckets), "active": hook.next_forward is not None}
+
+
+def tiny_and_transformer(rank: int, world: int) -> Dict[str, Any]:
+    """:func:`tiny` and :func:`transformer` in one spawned run (the start-up of the ranks,
+    importing DeepSpeed and fairseq, costs more than either)."""
+    return {"tiny": tiny(rank, world), "transformer": transformer(rank, world)}
