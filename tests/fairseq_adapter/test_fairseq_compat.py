@@ -62,7 +62,8 @@ def _assert_one_two_rank_job(run: FairseqRun) -> None:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_translation_corpus(tmp_path_factory.mktemp("corpus"), n_test=10)
+    # the plugin tests' corpus (same arguments): binarised once per session, copied by the other module
+    return make_translation_corpus(tmp_path_factory.mktemp("corpus"), vocab_size=51, n_train=240, n_valid=24)
 
 
 @pytest.fixture(scope="module")
