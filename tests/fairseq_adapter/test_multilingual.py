@@ -180,7 +180,7 @@ def test_vocab_parallel_update_freq_then_generate(ml_data, tmp_path):
     and validation loss, the stock checkpoint's weights, and fairseq-generate (en -> de)
     gives the stock checkpoint's hypotheses and scores."""
     extra = ["--update-freq", "2", "--ignore-prefix-size", "1"]
-    stock, ours = _run_pair(ml_data, 2, extra, tmp_path, ours_extra=VP)
+    stock, ours = _run_pair(ml_data, 2, extra, tmp_path, ours_extra=VP, max_update=4)
     assert TOOK_VP in ours.output and TOOK_VP not in stock.output, ours.output[-3000:]
     stock_ckpt, ours_ckpt = tmp_path / "stock" / "checkpoint_last.pt", tmp_path / "ours" / "checkpoint_last.pt"
     assert_same_weights(stock_ckpt, ours_ckpt)
