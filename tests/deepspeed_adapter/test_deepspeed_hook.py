@@ -6,6 +6,7 @@ DeepSpeed costs far more than the tiny models' ten steps.
 import glob
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def _runs(world, trace_root):
     dominates). World 2 also writes traces and checks gradient accumulation over 10 steps;
     world 3 takes 4 (an uneven shard or a wrong average shows from the first step)."""
     if world not in _RUNS:
+        _RUNS[("started", world)] = time.time() - 1.0  # for the /dev/shm check below
         trace_dir = trace_root if world == 2 else None
         steps = 10 if world == 2 else 4
         _RUNS[world] = run_ranks(R.equivalence_run, world, steps, trace_dir, world == 2, timeout_s=240,
@@ -202,13 +204,12 @@ def test_launcher_trains_and_generate_reads_checkpoint(tmp_path):
     assert "BLEU4" in gen.stdout + gen.stderr
 
 
-def test_no_shared_memory_left_behind():
+def test_no_shared_memory_left_behind(trace_root):
     """DeepSpeed's CPU comm layer would map a 69 MB /dev/shm buffer per rank that nothing
-    unlinks (deepspeed_adapter/cpu_comm.py): neither path may leave one behind."""
-    import time
-
-    t0 = time.time() - 1.0
-    results = run_ranks(R.one_step_each, 2, timeout_s=240, pg_timeout_s=120)
-    assert all(len(r) == 2 and all(len(l) == 1 for l in r) for r in results)
+    unlinks (deepspeed_adapter/cpu_comm.py): neither path may leave one behind (checked
+    after the shared 2-rank run, which starts both stock DeepSpeed and EmbRace's engines)."""
+    results = _runs(2, trace_root)
+    assert all(("stock", True) in r and ("embrace", True, True, True) in r for r in results)
+    t0 = _RUNS[("started", 2)]
     fresh = [f for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*") if os.path.getmtime(f) >= t0]
     assert fresh == [], fresh
