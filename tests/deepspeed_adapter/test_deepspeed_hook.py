@@ -51,8 +51,14 @@ def _runs(world, trace_root):
         _RUNS[("started", world)] = time.time() - 1.0  # for the /dev/shm check below
         trace_dir = trace_root if world == 2 else None
         steps = 10 if world == 2 else 4
-        _RUNS[world] = run_ranks(R.equivalence_run, world, steps, trace_dir, world == 2, timeout_s=240,
-                                 pg_timeout_s=120)
+        if world == 2:  # the gate choices (test_exchange_gate_only_when_asked_for) ride along
+            runs = run_ranks(R.equivalence_and_gate_choices, world, steps, trace_dir, True, timeout_s=300,
+                             pg_timeout_s=120)
+            _RUNS[world] = [r["equivalence"] for r in runs]
+            _RUNS["gate_choices"] = [r["gate_choices"] for r in runs]
+        else:
+            _RUNS[world] = run_ranks(R.equivalence_run, world, steps, None, False, timeout_s=240,
+                                     pg_timeout_s=120)
     return _RUNS[world]
 
 
@@ -109,11 +115,12 @@ def test_trace_shows_overlap(trace_root):
     assert len(glob.glob(os.path.join(trace_dir, "*.json"))) == 2 * world
 
 
-def test_exchange_gate_only_when_asked_for():
+def test_exchange_gate_only_when_asked_for(trace_root):
     """The gate (dense pieces held while an embedding exchange runs) is off by default,
     with or without next-forward overlap; "exchange_gate": true turns it on, also where
-    next-forward overlap falls back (clipping)."""
-    results = run_ranks(R.gate_choices, 2, timeout_s=240, pg_timeout_s=120)
+    next-forward overlap falls back (clipping). From the shared 2-rank run."""
+    _runs(2, trace_root)
+    results = _RUNS["gate_choices"]
     # (gate, next-forward) for: defaults; next_forward; exchange_gate; both; both + clipping
     want = [(False, False), (False, True), (True, False), (True, True), (True, False)]
     assert results == [want, want], results

@@ -303,3 +303,10 @@ def rel_diff(a, b) -> float:
     """Largest absolute difference relative to the reference's largest magnitude."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def equivalence_and_gate_choices(rank, world, steps=10, trace_dir=None, accumulation=False):
+    """:func:`equivalence_run` and :func:`gate_choices` in one spawned run (starting the
+    ranks and importing DeepSpeed costs more than either)."""
+    return {"equivalence": equivalence_run(rank, world, steps, trace_dir, accumulation),
+            "gate_choices": gate_choices(rank, world)}
