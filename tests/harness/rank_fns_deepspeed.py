@@ -129,14 +129,6 @@ def gate_choices(rank, world):
     return out
 
 
-def one_step_each(rank, world):
-    """One step of stock DeepSpeed and one of EmbRace's (what a CPU job starts)."""
-    _ds_env(rank, world)
-    torch.set_num_threads(1)
-    return [train(rank, world, sharded=s, tied=True, steps=1, embrace={} if s else None)["losses"]
-            for s in (False, True)]
-
-
 # small pieces and buckets so the tiny model has several of each
 PIECES = {"piece_bytes": 512, "bucket_bytes": 2048, "max_in_flight": 2}
 
