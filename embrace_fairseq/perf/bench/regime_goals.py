@@ -122,9 +122,9 @@ TABLE_END = "<!-- regime-table:end -->"
 
 
 def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
-    """Per run key of a regime results file: the real model, the link the calibration set,
-    (e) over the fastest stock baseline of the run and over c10d, and (e)'s step over the
-    limit, each with its 95 % interval."""
+    """Per run key of a regime results file: the real model, (e) over the fastest stock
+    baseline of the run and over c10d, and (e)'s step over the limit, each with its 95 %
+    interval, and the commit (the page cites ``folder`` above the table)."""
     rows = []
     src = result.get("meta", {}).get("source") or {}
     # a tree with uncommitted changes (other files than the bench's) is marked, not hidden
@@ -142,16 +142,15 @@ def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
         def cell(iv: Optional[Dict[str, float]]) -> str:
             return "-" if not iv else f"{iv['ratio']:.2f}x [{iv['low']:.2f}, {iv['high']:.2f}]"
 
-        rows.append(f"| {key} | {cal.get('real_model', '-')} | {cal.get('gbit', float('nan')):.3g} | "
-                    f"{cell(base[fastest])} ({fastest}) | {cell(base.get('fairseq_c10d'))} | {cell(over)} | "
-                    f"`{folder}` | {commit} |")
+        rows.append(f"| {key} | {cal.get('real_model', '-')} | {cell(base[fastest])} ({fastest}) | "
+                    f"{cell(base.get('fairseq_c10d'))} | {cell(over)} | {commit} |")
     return rows
 
 
 def performance_table(folders: List[Path]) -> List[str]:
     L = [TABLE_BEGIN,
-         "| run (workload/ranks/regime) | real model | link Gbit/s | (e) over the fastest baseline | (e) over c10d | "
-         "(e) step / limit | results | commit |", "|---|---|---|---|---|---|---|---|"]
+         "| workload/ranks/regime | real model | (e) over the fastest baseline | (e) over c10d | (e) step / limit "
+         "| commit |", "|---|---|---|---|---|---|"]
     for d in folders:
         L += performance_rows(str(d), json.loads((d / "bench.json").read_text()))
     return L + [TABLE_END]
