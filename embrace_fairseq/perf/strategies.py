@@ -24,6 +24,8 @@ from embrace_fairseq.perf import volume as V
 SPEEDUP_SUBJECT = "embrace_schedule"
 UNSCHEDULED_SUBJECT = "embrace_noschedule"
 REFERENCE = "fairseq_legacy_ddp"
+#: the compute-only floor: the same steps with every collective skipped
+FLOOR = "compute_floor"
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,7 @@ register_strategy(
 )
 
 register_strategy(
-    "compute_floor", label="(0) compute only, no communication", short="floor", aliases=("floor", "0"),
+    FLOOR, label="(0) compute only, no communication", short="floor", aliases=("floor", "0"),
     description="the physical floor: the stock model stepping the same batches on the same ranks with every "
                 "collective skipped (each rank trains its own copy, so its losses drift from the others')",
     volume=V.nothing, cost=LazyRef(_COSTS, "floor"), build=LazyRef(_BUILDERS, "build_compute_floor"),

@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from embrace_fairseq.perf.strategies import STRATEGIES, canonical_strategy
+from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strategy
 from embrace_fairseq.perf.bench import netem_cluster as NC
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the full run's strategies: every stock baseline as its users tune it (fairseq's default
 #: backend c10d, DeepSpeed ZeRO-0/1/2, sparse all-gather), EmbRace at ZeRO-0 (the 2D
 #: schedule) and at ZeRO-1, and the compute-only floor
-FLOOR = "compute_floor"
 FULL_STRATEGIES = ("fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
                    "embrace_schedule", "embrace_zero1", "compute_floor")
 

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN
-from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, get_strategy
+from embrace_fairseq.perf.strategies import FLOOR, SPEEDUP_SUBJECT, get_strategy
 
-FLOOR = "compute_floor"
 FIFO = "embrace_fifo"
 #: (e) over every stock baseline, per workload and regime (None: every regime)
 SPEEDUP_TARGETS: Dict[str, Dict[Optional[str], float]] = {

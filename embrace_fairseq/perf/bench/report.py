@@ -24,7 +24,7 @@ from embrace_fairseq.perf.bench.regime_goals import regime_goal_check
 from embrace_fairseq.perf.bench.workloads import tied_tables
 from embrace_fairseq.perf.bench.stats import (CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval,
                                                ratio_statistic)
-from embrace_fairseq.perf.strategies import REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
+from embrace_fairseq.perf.strategies import FLOOR, REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model; judged on the
 # lower end of the ratio's interval where one was computed
@@ -45,7 +45,6 @@ LAYOUT_PAIR = ("embrace_contiguous", SPEEDUP_SUBJECT)
 ABLATION = ("embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_nogate", "embrace_gate",
             "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole", "embrace_relaxed")
 ABLATION_BASE = "embrace_fifo"
-FLOOR = "compute_floor"
 # the node-aware exchange against the flat one (the subject's) on several ranks per node
 NODE_PAIR = ("embrace_node", SPEEDUP_SUBJECT)
 NODE_BYTES_GOAL = 0.7  # the exchange's inter-node bytes, node-aware over flat

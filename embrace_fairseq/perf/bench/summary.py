@@ -26,11 +26,10 @@ from embrace_fairseq.perf.bench.keys import run_key
 from embrace_fairseq.perf.bench.markdown import simulator_section
 from embrace_fairseq.perf.bench.stats import (CONFIDENCE, LEGACY_RATIO_STATISTIC, RATIO_STATISTIC, STATISTIC_WORDS,
                                               paired_ratio_interval, ratio_of, ratio_statistic)
-from embrace_fairseq.perf.strategies import get_strategy, sharded_strategies
+from embrace_fairseq.perf.strategies import FLOOR, get_strategy, sharded_strategies
 
 #: EmbRace as a user runs it: dense layers at ZeRO-0 under the 2D schedule, or under ZeRO-1
 SUBJECTS = ("embrace_schedule", "embrace_zero1")
-FLOOR = "compute_floor"
 #: the statistics target: every interval's half-width within this share of its ratio
 HALF_WIDTH_GOAL = 0.10
 

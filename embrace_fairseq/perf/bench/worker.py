@@ -27,9 +27,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
-from embrace_fairseq.perf.strategies import REFERENCE, get_strategy
+from embrace_fairseq.perf.strategies import FLOOR, REFERENCE, get_strategy
 
-FLOOR = "compute_floor"
 
 def _tx_bytes(path: str) -> float:
     try:

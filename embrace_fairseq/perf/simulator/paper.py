@@ -18,7 +18,7 @@ from embrace_fairseq.perf.simulator.network import Network
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.prediction import Prediction
 from embrace_fairseq.perf.simulator.profile import Options, Profile
-from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, get_strategy, strategy_names
+from embrace_fairseq.perf.strategies import FLOOR, SPEEDUP_SUBJECT, get_strategy, strategy_names
 
 # Assumptions for the projection to GPU clusters (stated, not measured):
 GPU_SUSTAINED_FLOPS = 30e12  # V100-class, mixed precision, sustained (~24% of 125 TFLOP/s peak)
@@ -108,7 +108,6 @@ PAPER_REPORTED = [
 ]
 
 
-FLOOR = "compute_floor"
 UNSCHEDULED = ("embrace_noschedule", "embrace_fifo")  # the schedule's ablation, shown beside (e)
 NODE_AWARE = "embrace_node"  # (e) with the node-aware exchange, where there are nodes
 

@@ -31,9 +31,9 @@ from embrace_fairseq.perf.simulator.paper import PAPER_LATENCY_S
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.profile import Profile
 from embrace_fairseq.perf.simulator.real_models import REAL_MODELS, RealModel
+from embrace_fairseq.perf.strategies import FLOOR
 
 C10D = "fairseq_c10d"
-FLOOR = "compute_floor"
 
 
 @dataclass(frozen=True)
