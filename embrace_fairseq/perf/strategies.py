@@ -281,6 +281,26 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_output_gather", label="(e-og) EmbRace, 2D schedule, output layer gathered",
+    short="EmbRace output gather", aliases=("output_gather",),
+    description="(e) with --embrace-output gather: a tied output layer reads the whole table, all-gathered each "
+                "step, and forms full logits on every rank (the output rule's ablation; the same as (e) where "
+                "no output layer reads the sharded table)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_output_gather"), shards_table=True,
+)
+
+register_strategy(
+    "embrace_output_vocab_parallel", label="(e-ov) EmbRace, 2D schedule, output layer vocab-parallel",
+    short="EmbRace output vocab-parallel", aliases=("output_vocab_parallel",),
+    description="(e) with --embrace-output vocab-parallel: every step the target hidden states are exchanged and "
+                "the softmax combined over the shards, whatever the bytes (the output rule's ablation; the same "
+                "as (e) where no output layer reads the sharded table)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_output_vocab_parallel"), shards_table=True,
+)
+
+register_strategy(
     FLOOR, label="(0) compute only, no communication", short="floor", aliases=("floor", "0"),
     description="the physical floor: the stock model stepping the same batches on the same ranks with every "
                 "collective skipped (each rank trains its own copy, so its losses drift from the others')",

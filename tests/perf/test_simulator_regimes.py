@@ -211,3 +211,33 @@ def test_regimes_cli_writes_json_md_png_with_command_and_commit(tmp_path, monkey
     cell = f"{r16['speedup_over_best']:.2f}x ({get_strategy(r16['best_baseline']).short})"
     assert f"| tiny | tiny | {cell} |" in md
     assert (tmp_path / "proj.png").stat().st_size > 0
+
+
+def test_one_fit_across_results_folders_keeps_each_folders_shapes_and_calibrations(tmp_path):
+    """Folders of one workload each (as the regime runs write them), fitted together on A in
+    v100-25g: B in the other folder is predicted out of sample, as from one file, and A's
+    masked share (kept in its folder's workload shapes) still scores only masked positions."""
+    from embrace_fairseq.perf.bench.regime_goals import simulator_across, simulator_rows
+
+    whole = _bench()
+    dirs = []
+    for m in ("A", "B"):
+        part = copy.deepcopy(whole)
+        part["profiles"] = {m: whole["profiles"][m]}
+        part["runs"] = [r for r in whole["runs"] if r["model"] == m]
+        part["regimes"] = {k: v for k, v in whole["regimes"].items() if k.startswith(f"{m}/")}
+        part["workload_shapes"] = {m: whole["workload_shapes"][m]}
+        (tmp_path / m).mkdir()
+        (tmp_path / m / "bench.json").write_text(json.dumps(part))
+        dirs.append(tmp_path / m)
+    res = simulator_across(dirs, ("A", "v100-25g"))
+    assert res["fitted_on"]["model"] == "A" and res["fitted_on"]["runs"] == len(STRATEGIES)
+    assert res["knobs"] == out_of_sample(whole, fit_on=("A", "v100-25g"))["knobs"]
+    assert all(abs(r["rel_error"]) < 1e-6 for r in res["runs"]), [r["rel_error"] for r in res["runs"]]
+    rows = {r["run"]: r["verdict"] for r in simulator_rows(res)}
+    assert rows == {"A (simulator, fitted on A/v100-25g)": "met", "B (simulator, fitted on A/v100-25g)": "met"}
+    # without A's masked share the same times are mispredicted: the shapes travel with the folders
+    a = json.loads((tmp_path / "A" / "bench.json").read_text())
+    a.pop("workload_shapes")
+    (tmp_path / "A" / "bench.json").write_text(json.dumps(a))
+    assert max(abs(r["rel_error"]) for r in simulator_across(dirs, ("A", "v100-25g"))["runs"]) > 1e-3

@@ -242,16 +242,18 @@ FIFO_OVERLAP = {"model_level": False, "tensor_level": False}
 
 
 def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_prefix: Optional[str],
-             shard_layout: Optional[str] = None, zero_stage: int = 0) -> Strategy:
+             shard_layout: Optional[str] = None, zero_stage: int = 0, output: Optional[str] = None) -> Strategy:
     """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on
     (``schedule`` True), off (False) or set by these ``"embrace"`` keys (a dict);
     ``shard_layout``: the ``"embrace"`` section's layout (None: the default);
-    ``zero_stage`` 1: the dense layers under ZeRO-1 with :data:`ZERO_TUNING`."""
+    ``zero_stage`` 1: the dense layers under ZeRO-1 with :data:`ZERO_TUNING`;
+    ``output``: ``--embrace-output`` for a tied output layer (None: the default, ``auto``)."""
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
 
     criterion = W.build_criterion(w, task)
-    model = W.build_model(w, w.embrace_arch, task, data)
+    model = W.build_model(w, w.embrace_arch, task, data,
+                          extra_args=("--embrace-output", output) if output is not None else ())
     configure(model, criterion)  # what fairseq's Trainer does: a tied output read vocab-parallel when cheaper
     section: Dict[str, Any] = dict(schedule) if isinstance(schedule, dict) else ({} if schedule else dict(NO_OVERLAP))
     if trace_prefix:
@@ -351,6 +353,16 @@ def build_embrace_gate(name: str, w: W.Workload, task: Any, data, counter: Colle
 def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                              trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, True, trace_prefix, shard_layout="contiguous")
+
+
+def build_embrace_output_gather(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                                trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, True, trace_prefix, output="gather")
+
+
+def build_embrace_output_vocab_parallel(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                                        trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, True, trace_prefix, output="vocab-parallel")
 
 
 def build_embrace_node(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

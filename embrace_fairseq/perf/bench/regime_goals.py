@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN
 from embrace_fairseq.perf.strategies import FLOOR, SPEEDUP_SUBJECT, get_strategy
@@ -85,15 +85,33 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             inv = {"ratio": 1.0 / over["ratio"], "low": 1.0 / over["high"], "high": 1.0 / over["low"],
                    "steps": over.get("steps")}
             rows.append(_row(key, "limit over (e)", 1.0 / LIMIT_FACTOR, inv, world))
-    sim = result.get("simulator") or {}
+    return rows + simulator_rows(result.get("simulator") or {})
+
+
+def simulator_rows(sim: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per workload of an out-of-sample validation
+    (:func:`embrace_fairseq.perf.simulator.validation.out_of_sample`): its mean absolute
+    error against :data:`SIMULATOR_TARGET`."""
+    rows = []
+    fitted = sim.get("fitted_on", {})
     for model, s in (sim.get("by_model") or {}).items():
         mae = s["mean_abs_rel_error"]
-        fitted = sim.get("fitted_on", {})
         rows.append({"run": f"{model} (simulator, fitted on {fitted.get('model')}/{fitted.get('regime')})",
                      "goal": "simulator mean abs error", "target": SIMULATOR_TARGET, "ratio": mae, "low": None,
                      "high": None, "steps": s.get("count"), "world_size": None,
                      "verdict": "met" if mae <= SIMULATOR_TARGET else "MISSED"})
     return rows
+
+
+def simulator_across(dirs: List[Path], fit_on: Tuple[str, str]) -> Dict[str, Any]:
+    """The simulator fitted on one workload and regime (``fit_on``: (model, regime)) of
+    several results folders together, every other workload of every folder predicted out of
+    sample: one fit for all, where each folder's own file fits on its own first run."""
+    from embrace_fairseq.perf.bench.summary import merged_bench
+    from embrace_fairseq.perf.simulator.validation import out_of_sample
+
+    merged = merged_bench([json.loads((d / "bench.json").read_text()) for d in dirs])
+    return out_of_sample(merged, fit_on=fit_on)
 
 
 def goals_markdown(rows: List[Dict[str, Any]], source: str = "") -> List[str]:
@@ -168,6 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the goals here (markdown)")
     ap.add_argument("--write", type=Path, default=None,
                     help="replace the performance table between the regime-table markers of this page")
+    ap.add_argument("--fit-on", default=None, metavar="MODEL:REGIME",
+                    help="add the simulator fitted on this workload and regime of all the folders together, "
+                         "every other workload predicted out of sample")
     a = ap.parse_args(argv)
     if a.write:
         _write_table(a.write, performance_table(a.dirs))
@@ -178,6 +199,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = json.loads((d / "bench.json").read_text())
         src = result.get("meta", {}).get("source", {})
         L += goals_markdown(regime_goal_check(result), f"`{d}`, commit {src.get('commit', '?')[:7]}")
+    if a.fit_on:
+        model, _, regime = a.fit_on.partition(":")
+        if not regime:
+            ap.error(f"--fit-on wants MODEL:REGIME, got {a.fit_on!r}")
+        sim = simulator_across(a.dirs, (model, regime))
+        L += ["## The simulator across the folders", "",
+              f"Knobs fitted on {model}/{regime} of {', '.join(f'`{d}`' for d in a.dirs)} together "
+              f"({sim['fitted_on']['runs']} runs); every other run of every folder predicted out of sample.", ""]
+        L += goals_markdown(simulator_rows(sim))[4:]
     text = "\n".join(L)
     if a.out:
         a.out.write_text(text)

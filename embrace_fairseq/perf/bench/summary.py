@@ -88,15 +88,27 @@ def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
 
 def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One bench dict of several runs (for the simulator): runs concatenated, each model's
-    profile from the first run that measured it, its unique-id counts from every run."""
+    profile from the first run that measured it, its unique-id counts from every run; the
+    workloads' shapes (a masked LM's masked share) and the regime calibrations per run key
+    from every run that has them."""
     profiles: Dict[str, Any] = {}
+    shapes: Dict[str, Any] = {}
+    regimes: Dict[str, Any] = {}
     for b in benches:
         for name, p in b["profiles"].items():
             if name not in profiles:
                 profiles[name] = copy.deepcopy(p)
             else:
                 profiles[name]["unique_ids_per_rank"].update(p.get("unique_ids_per_rank", {}))
-    return {"meta": benches[0]["meta"], "profiles": profiles, "runs": [r for b in benches for r in b["runs"]]}
+        for name, shape in (b.get("workload_shapes") or {}).items():
+            shapes.setdefault(name, shape)
+        regimes.update(b.get("regimes") or {})
+    merged = {"meta": benches[0]["meta"], "profiles": profiles, "runs": [r for b in benches for r in b["runs"]]}
+    if shapes:
+        merged["workload_shapes"] = shapes
+    if regimes:
+        merged["regimes"] = regimes
+    return merged
 
 
 def summarize(dirs: Sequence[Path], fit_on: Optional[tuple] = None, sensitivity: bool = True) -> Dict[str, Any]:

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -230,7 +230,7 @@ def tied_tables(w: Workload) -> List[bool]:
 # ---------------------------------------------------------------------- fairseq arguments, task, model
 
 
-def fairseq_args(w: Workload, arch: str, data: Path) -> Any:
+def fairseq_args(w: Workload, arch: str, data: Path, extra_args: Sequence[str] = ()) -> Any:
     import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers embrace_* archs, CPU fixes)
     from fairseq import options
 
@@ -239,6 +239,7 @@ def fairseq_args(w: Workload, arch: str, data: Path) -> Any:
             "--criterion", w.criterion]
     if w.tokens_per_sample:
         argv += ["--tokens-per-sample", str(w.tokens_per_sample)]
+    argv += list(extra_args)  # a strategy's own flags, last so that they win (e.g. --embrace-output gather)
     parser = options.get_training_parser()
     return options.parse_args_and_arch(parser, input_args=argv)
 
@@ -463,13 +464,15 @@ def _large_vocab_batches(w: Workload, world_size: int, data: Path, cache_dir: Pa
     return Batches(w, world_size, task, _pairs=pairs, _batches=_pair_batches(pairs, w.tokens_per_rank))
 
 
-def build_model(w: Workload, arch: str, task: Any, data: Path, seed: int = 1) -> torch.nn.Module:
-    """A fairseq model (stock or EmbRace arch) with the workload's arguments and seed."""
+def build_model(w: Workload, arch: str, task: Any, data: Path, seed: int = 1,
+                extra_args: Sequence[str] = ()) -> torch.nn.Module:
+    """A fairseq model (stock or EmbRace arch) with the workload's arguments and seed, and
+    ``extra_args`` (command-line flags) after them."""
     from fairseq import models
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     # as fairseq-train does: arguments -> config -> models.build_model
-    cfg = convert_namespace_to_omegaconf(fairseq_args(w, arch, data))
+    cfg = convert_namespace_to_omegaconf(fairseq_args(w, arch, data, extra_args))
     torch.manual_seed(seed)
     return models.build_model(cfg.model, task)
 
