@@ -67,6 +67,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "compute_floor is added to the strategies)")
     p.add_argument("--calibration-steps", type=int, default=3,
                    help="compute-only floor steps timed for a regime's calibration (their median; default 3)")
+    p.add_argument("--allocator", choices=("auto", "jemalloc", "glibc"), default="auto",
+                   help="the ranks' memory allocator: jemalloc keeping freed pages, as a GPU's caching allocator "
+                        "does (auto: where installed), or glibc's, which faults large blocks in again every step")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin rank r to core r %% (cores this process may use): ranks with a core each")
     a = p.parse_args(argv)
@@ -140,6 +143,7 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR=master,
                MASTER_PORT=str(port), WORLD_SIZE=str(cluster.world_size), PYTHONWARNINGS="ignore",
                TORCH_CPP_LOG_LEVEL="ERROR")
+    env.update(a.allocator_env)
     # the launcher's view of the nodes, as torchrun gives it: what the exchange reads
     k = cluster.ranks_per_node
     env.update(LOCAL_SIZE=str(k), LOCAL_WORLD_SIZE=str(k))
@@ -229,6 +233,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
 
     t_start = time.time()
+    from embrace_fairseq.perf.bench.allocator import allocator_env
+
+    try:
+        a.allocator_env, allocator = allocator_env(a.allocator, os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"[bench] {exc}") from None
+    print(f"[bench] allocator: {allocator}", flush=True)
     from embrace_fairseq.perf.provenance import source_state
 
     source = source_state(REPO_ROOT)  # now: the ranks import the tree as it is when they start
@@ -287,6 +298,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
         "versions": _versions(), "fallback_loopback": loopback, "fallback_reason": why_not,
         "topology": {"ranks_per_node": a.ranks_per_node},
+        "allocator": allocator,
         # --pin-cores: rank r on core r % the cores; the cores each rank could run on, as it saw them
         "pin_cores": a.pin_cores,
         "rank_cores": {f"{launch['model']}/w{launch['world_size']}": {str(rk["rank"]): rk.get("cores")
