@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The regime benchmark: every link calibrated to a compute-matched regime instead of a fixed rate.
-#   scripts/bench_regime.sh            # about 55 min on a 2-core machine; results/bench/regime/
+#   scripts/bench_regime.sh            # about 1 h 50 min on a 2-core machine; results/bench/regime/
 #   OUT=/tmp/r ROUNDS=1 STEPS=1 scripts/bench_regime.sh   # a smoke run of the same plan
 # A regime (v100-25g: 30 TFLOP/s, 25 Gbit/s per GPU; a100-100g: 120 TFLOP/s, 100 Gbit/s per GPU;
 # perf/simulator/regimes.py) fixes the share of a step c10d's all-reduce takes on the released model a
@@ -13,16 +13,25 @@
 #                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather), EmbRace
 #                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 15 min);
 #   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
-#                 strategies; 3 rounds x 1 step (about 18 and 15 min). 4 ranks do not fit: an XLM-R
-#                 rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
+#                 strategies; 3 rounds x 1 step (about 18 and 15 min). XLM-R on 4 ranks does not fit:
+#                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
+#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 25 min);
 #   ablation_w2   the schedule's parts on the translation model, 2 ranks pinned to a core each: no
 #                 overlap, FIFO overlap, the 2D schedule, + next-forward overlap, + relaxed embedding
-#                 dependency, and the floor; 3 rounds x 2 steps (about 6 min).
-# Not in the default plan: `MBART=1` adds the mBART workload on 2 pinned ranks. Its floor step is
-# about 20 s per rank on this machine and its real model's c10d / floor ratio is about 4, so a stock
-# strategy's step is about 100 s: one round of both regimes costs about 15 min, a run with an
-# interval about an hour.
+#                 dependency, and the floor; 3 rounds x 2 steps (about 6 min);
+#   ablation_w4   the same parts on 4 ranks, with the layout (contiguous shards) and the output rule
+#                 (--embrace-output gather, vocab-parallel; the default auto picks one per step)
+#                 (about 8 min);
+#   nodes_2x2     the translation model on 2 nodes of 2 ranks (one namespace per node: fast inside,
+#                 the regime's link between): c10d, the sparse all-gather, EmbRace flat, with the
+#                 node-aware exchange and with the two-level all-reduce (about 6 min);
+#   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 12 min).
+# `MBART=1` adds the mBART workload on 2 pinned ranks (every baseline, both regimes) and its
+# schedule ablation in a100-100g: its floor step is about 21 s per rank on this machine and its real
+# model's c10d / floor ratio is about 2.7, so a stock step takes about 80 s: about 65 min for both.
+# The goals (results/bench/regime/goals.md) end with the simulator fitted once on the translation
+# model in v100-25g and every other workload of every folder predicted out of sample.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
@@ -31,18 +40,41 @@ cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-results/bench/regime}"
 REGIMES=v100-25g,a100-100g
-bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" --warmup 1 "$@"; }
+# The ranks' allocator: jemalloc keeping its freed pages, as a GPU's caching allocator does
+# (perf/bench/allocator.py: with glibc's, the large-vocabulary steps fault their big blocks in
+# again every step, which slows the stock paths most). Installed here where apt-get can.
+if ! ls /usr/lib/*-linux-gnu/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q libjemalloc2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libjemalloc2 >/dev/null 2>&1; } || true
+  fi
+fi
+bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" --warmup 1 --allocator "${ALLOCATOR:-auto}" "$@"; }
 
 BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather
 ABLATION=embrace_noschedule,embrace_fifo,embrace_schedule,embrace_next_forward,embrace_relaxed
+LAYOUT_OUTPUT=embrace_contiguous,embrace_output_gather,embrace_output_vocab_parallel
 
 bench --models translation,gpt_lm,lm --worlds 4 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
       --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/w4"
 for m in xlmr m2m ${MBART:+mbart}; do
   bench --models "$m" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
-        --calibration-steps 2 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/${m}_w2"
+        --calibration-steps 2 --timeout 4500 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/${m}_w2"
 done
+bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+      --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/m2m_w4"
 bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
       --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w2"
-"$PY" -m embrace_fairseq.perf.bench.regime_goals "$OUT/w4" "$OUT/xlmr_w2" "$OUT/m2m_w2" "$OUT/ablation_w2" \
-      --out "$OUT/goals.md"
+bench --models translation --worlds 4 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+      --strategies "$ABLATION,$LAYOUT_OUTPUT,compute_floor" --out "$OUT/ablation_w4"
+bench --models translation --worlds 4 --ranks-per-node 2 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+      --strategies fairseq_c10d,sparse_allgather,embrace_schedule,embrace_node,embrace_two_level,compute_floor \
+      --out "$OUT/nodes_2x2"
+bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+      --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
+if [ -n "${MBART:-}" ]; then
+  "$PY" -m embrace_fairseq.perf.bench --regime a100-100g --warmup 1 --allocator "${ALLOCATOR:-auto}" --models mbart --worlds 2 --pin-cores \
+        --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --strategies "$ABLATION,compute_floor" --out "$OUT/mbart_ablation_w2"
+fi
+RUNS=(w4 xlmr_w2 m2m_w2 ${MBART:+mbart_w2} m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 ${MBART:+mbart_ablation_w2})
+"$PY" -m embrace_fairseq.perf.bench.regime_goals "${RUNS[@]/#/$OUT/}" --fit-on translation:v100-25g --out "$OUT/goals.md"

@@ -62,3 +62,18 @@ def test_performance_row_takes_the_fastest_baseline_and_the_limit():
     rows = performance_rows("results/x", r)
     assert rows == ["| xlmr/w2/v100-25g | xlmr_base | 1.50x [1.40, 1.60] (sparse_allgather) | "
                     "2.60x [2.40, 2.80] | 1.10x [1.05, 1.14] | 0123456 |"]
+
+
+def test_a_run_whose_floor_drifted_from_its_calibration_is_flagged():
+    r = _result()
+    r["regimes"]["xlmr/w2/v100-25g"]["floor_s"] = 10.0
+    r["regimes"]["xlmr/w2/a100-100g"]["floor_s"] = 10.0
+    for run in r["runs"]:
+        if run["strategy"] == "compute_floor" and run["model"] == "xlmr":
+            run["step_s"] = [9.0, 11.0] if run["regime"] == "v100-25g" else [2.0, 3.0]
+    rows = {(x["run"], x["goal"]): x for x in regime_goal_check(r)}
+    held = rows[("xlmr/w2/v100-25g", "calibration held (timed floor / calibrated floor)")]
+    drifted = rows[("xlmr/w2/a100-100g", "calibration held (timed floor / calibrated floor)")]
+    assert held["verdict"] == "held" and abs(held["ratio"] - 1.0) < 1e-12
+    assert drifted["verdict"].startswith("DRIFTED") and abs(drifted["ratio"] - 0.25) < 1e-12
+    assert "| 0.80-1.25x | 0.25x (2.500 s / 10.000 s) | DRIFTED" in "\n".join(goals_markdown(list(rows.values())))

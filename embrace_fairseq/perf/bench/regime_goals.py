@@ -46,6 +46,8 @@ SPEEDUP_TARGETS: Dict[str, Dict[Optional[str], float]] = {
 LIMIT_FACTOR = 1.15
 SCHEDULE_OVER_FIFO = 1.15
 SIMULATOR_TARGET = 0.15
+#: the timed floor over the floor the link was calibrated on, within which a run is in its regime
+CALIBRATION_BAND = (0.8, 1.25)
 
 
 def goal_verdict(ratio: float, low: float, target: float) -> str:
@@ -79,6 +81,9 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                 rows.append(_row(key, f"(e) over {s}", target, iv, world))
         if FIFO in per:
             rows.append(_row(key, f"(e) over {FIFO}", SCHEDULE_OVER_FIFO, per[FIFO], world))
+        drift = calibration_drift(result, key)
+        if drift is not None:
+            rows.append(drift)
         limit = ((result.get("regimes") or {}).get(key) or {}).get("limit") or {}
         over = (limit.get("over_limit") or {}).get(SPEEDUP_SUBJECT)
         if over:  # step / limit -> limit / step: a speed-up read like the others
@@ -86,6 +91,25 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                    "steps": over.get("steps")}
             rows.append(_row(key, "limit over (e)", 1.0 / LIMIT_FACTOR, inv, world))
     return rows + simulator_rows(result.get("simulator") or {})
+
+
+def calibration_drift(result: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+    """Whether the floor the link was calibrated on held through the timed steps: the timed
+    floor's mean over the calibration's floor within :data:`CALIBRATION_BAND`. Where it did
+    not, the run's communication took another share of the step than the regime's, and its
+    verdicts do not speak for that regime."""
+    cal = (result.get("regimes") or {}).get(key) or {}
+    model, world, regime = key.split("/")
+    timed = [t for r in result.get("runs", []) if r.get("strategy") == FLOOR and r.get("model") == model
+             and f"w{r.get('world_size')}" == world and r.get("regime") == regime for t in r.get("step_s", [])]
+    if not cal.get("floor_s") or not timed:
+        return None
+    ratio = (sum(timed) / len(timed)) / cal["floor_s"]
+    lo, hi = CALIBRATION_BAND
+    return {"run": key, "goal": "calibration held (timed floor / calibrated floor)", "target": None,
+            "measured": f"{ratio:.2f}x ({sum(timed) / len(timed):.3f} s / {cal['floor_s']:.3f} s)",
+            "target_text": f"{lo:.2f}-{hi:.2f}x", "ratio": ratio, "low": None, "high": None, "steps": len(timed),
+            "world_size": int(world[1:]), "verdict": "held" if lo <= ratio <= hi else "DRIFTED: not this regime"}
 
 
 def simulator_rows(sim: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -124,7 +148,9 @@ def goals_markdown(rows: List[Dict[str, Any]], source: str = "") -> List[str]:
          "unless said; the ranks column says what was measured.", "",
          "| run | ranks | goal | target | measured | verdict |", "|---|---|---|---|---|---|"]
     for r in rows:
-        if r["low"] is None:
+        if "measured" in r:
+            measured, target = r["measured"], r["target_text"]
+        elif r["low"] is None:
             measured = f"{100 * r['ratio']:.1f} % ({r['steps']} runs)"
             target = f"{100 * r['target']:.0f} %"
         else:
