@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The regime benchmark: every link calibrated to a compute-matched regime instead of a fixed rate.
-#   scripts/bench_regime.sh            # about 1 h 50 min on a 2-core machine; results/bench/regime/
+#   scripts/bench_regime.sh            # about 1 h 45 min on a 2-core machine; results/bench/regime/
 #   OUT=/tmp/r ROUNDS=1 STEPS=1 scripts/bench_regime.sh   # a smoke run of the same plan
 # A regime (v100-25g: 30 TFLOP/s, 25 Gbit/s per GPU; a100-100g: 120 TFLOP/s, 100 Gbit/s per GPU;
 # perf/simulator/regimes.py) fixes the share of a step c10d's all-reduce takes on the released model a
