@@ -131,7 +131,7 @@ def simulator_across(dirs: List[Path], fit_on: Tuple[str, str]) -> Dict[str, Any
     """The simulator fitted on one workload and regime (``fit_on``: (model, regime)) of
     several results folders together, every other workload of every folder predicted out of
     sample: one fit for all, where each folder's own file fits on its own first run."""
-    from embrace_fairseq.perf.bench.summary import merged_bench
+    from embrace_fairseq.perf.bench.merged import merged_bench
     from embrace_fairseq.perf.simulator.validation import out_of_sample
 
     merged = merged_bench([json.loads((d / "bench.json").read_text()) for d in dirs])

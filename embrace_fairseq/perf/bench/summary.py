@@ -17,13 +17,13 @@ together (knobs fitted on one model and link, every other run predicted).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from embrace_fairseq.perf.bench.keys import run_key
 from embrace_fairseq.perf.bench.markdown import simulator_section
+from embrace_fairseq.perf.bench.merged import merged_bench
 from embrace_fairseq.perf.bench.stats import (CONFIDENCE, LEGACY_RATIO_STATISTIC, RATIO_STATISTIC, STATISTIC_WORDS,
                                               paired_ratio_interval, ratio_of, ratio_statistic)
 from embrace_fairseq.perf.strategies import FLOOR, get_strategy, sharded_strategies
@@ -84,31 +84,6 @@ def over_floor(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
     of the timed steps as the speedups)."""
     floors = {_key(r): r for r in runs if r["strategy"] == FLOOR}
     return _over(runs, floors, lambda r, f: ratio_of(r["step_s"], f["step_s"], _statistic(r)))
-
-
-def merged_bench(benches: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """One bench dict of several runs (for the simulator): runs concatenated, each model's
-    profile from the first run that measured it, its unique-id counts from every run; the
-    workloads' shapes (a masked LM's masked share) and the regime calibrations per run key
-    from every run that has them."""
-    profiles: Dict[str, Any] = {}
-    shapes: Dict[str, Any] = {}
-    regimes: Dict[str, Any] = {}
-    for b in benches:
-        for name, p in b["profiles"].items():
-            if name not in profiles:
-                profiles[name] = copy.deepcopy(p)
-            else:
-                profiles[name]["unique_ids_per_rank"].update(p.get("unique_ids_per_rank", {}))
-        for name, shape in (b.get("workload_shapes") or {}).items():
-            shapes.setdefault(name, shape)
-        regimes.update(b.get("regimes") or {})
-    merged = {"meta": benches[0]["meta"], "profiles": profiles, "runs": [r for b in benches for r in b["runs"]]}
-    if shapes:
-        merged["workload_shapes"] = shapes
-    if regimes:
-        merged["regimes"] = regimes
-    return merged
 
 
 def summarize(dirs: Sequence[Path], fit_on: Optional[tuple] = None, sensitivity: bool = True) -> Dict[str, Any]:
