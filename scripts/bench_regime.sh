@@ -43,7 +43,7 @@ REGIMES=v100-25g,a100-100g
 # The ranks' allocator: jemalloc keeping its freed pages, as a GPU's caching allocator does
 # (perf/bench/allocator.py: with glibc's, the large-vocabulary steps fault their big blocks in
 # again every step, which slows the stock paths most). Installed here where apt-get can.
-if ! ls /usr/lib/*-linux-gnu/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1; then
+if ! "$PY" -c "from embrace_fairseq.perf.bench.allocator import find_jemalloc as f; raise SystemExit(f() is None)"; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get install -y -q libjemalloc2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libjemalloc2 >/dev/null 2>&1; } || true
   fi

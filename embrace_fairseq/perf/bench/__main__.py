@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strategy
 from embrace_fairseq.perf.bench import netem_cluster as NC
+from embrace_fairseq.perf.bench.allocator import ALLOCATORS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the full run's strategies: every stock baseline as its users tune it (fairseq's default
@@ -67,7 +68,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "compute_floor is added to the strategies)")
     p.add_argument("--calibration-steps", type=int, default=3,
                    help="compute-only floor steps timed for a regime's calibration (their median; default 3)")
-    p.add_argument("--allocator", choices=("auto", "jemalloc", "glibc"), default="auto",
+    p.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                    help="the ranks' memory allocator: jemalloc keeping freed pages, as a GPU's caching allocator "
                         "does (auto: where installed), or glibc's, which faults large blocks in again every step")
     p.add_argument("--pin-cores", action="store_true",

@@ -81,10 +81,11 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                 rows.append(_row(key, f"(e) over {s}", target, iv, world))
         if FIFO in per:
             rows.append(_row(key, f"(e) over {FIFO}", SCHEDULE_OVER_FIFO, per[FIFO], world))
-        drift = calibration_drift(result, key)
+        calibration = (result.get("regimes") or {}).get(key) or {}
+        drift = calibration_drift(key, calibration, world)
         if drift is not None:
             rows.append(drift)
-        limit = ((result.get("regimes") or {}).get(key) or {}).get("limit") or {}
+        limit = calibration.get("limit") or {}
         over = (limit.get("over_limit") or {}).get(SPEEDUP_SUBJECT)
         if over:  # step / limit -> limit / step: a speed-up read like the others
             inv = {"ratio": 1.0 / over["ratio"], "low": 1.0 / over["high"], "high": 1.0 / over["low"],
@@ -93,23 +94,23 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows + simulator_rows(result.get("simulator") or {})
 
 
-def calibration_drift(result: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+def calibration_drift(key: str, calibration: Dict[str, Any], world: int) -> Optional[Dict[str, Any]]:
     """Whether the floor the link was calibrated on held through the timed steps: the timed
-    floor's mean over the calibration's floor within :data:`CALIBRATION_BAND`. Where it did
-    not, the run's communication took another share of the step than the regime's, and its
-    verdicts do not speak for that regime."""
-    cal = (result.get("regimes") or {}).get(key) or {}
-    model, world, regime = key.split("/")
-    timed = [t for r in result.get("runs", []) if r.get("strategy") == FLOOR and r.get("model") == model
-             and f"w{r.get('world_size')}" == world and r.get("regime") == regime for t in r.get("step_s", [])]
-    if not cal.get("floor_s") or not timed:
+    floor's mean (the limit's ``floor_s``, :func:`.report.regime_check`) over the
+    calibration's floor within :data:`CALIBRATION_BAND`. Where it did not, the run's
+    communication took another share of the step than the regime's, and its verdicts do not
+    speak for that regime."""
+    limit = calibration.get("limit") or {}
+    if not calibration.get("floor_s") or not limit.get("floor_s"):
         return None
-    ratio = (sum(timed) / len(timed)) / cal["floor_s"]
+    timed, calibrated = limit["floor_s"], calibration["floor_s"]
+    ratio = timed / calibrated
     lo, hi = CALIBRATION_BAND
     return {"run": key, "goal": "calibration held (timed floor / calibrated floor)", "target": None,
-            "measured": f"{ratio:.2f}x ({sum(timed) / len(timed):.3f} s / {cal['floor_s']:.3f} s)",
-            "target_text": f"{lo:.2f}-{hi:.2f}x", "ratio": ratio, "low": None, "high": None, "steps": len(timed),
-            "world_size": int(world[1:]), "verdict": "held" if lo <= ratio <= hi else "DRIFTED: not this regime"}
+            "measured": f"{ratio:.2f}x ({timed:.3f} s / {calibrated:.3f} s)",
+            "target_text": f"{lo:.2f}-{hi:.2f}x", "ratio": ratio, "low": None, "high": None,
+            "steps": len(limit.get("limit_steps_s") or []), "world_size": world,
+            "verdict": "held" if lo <= ratio <= hi else "DRIFTED: not this regime"}
 
 
 def simulator_rows(sim: Dict[str, Any]) -> List[Dict[str, Any]]:
