@@ -2,6 +2,7 @@
 # The regime benchmark: every link calibrated to a compute-matched regime instead of a fixed rate.
 #   scripts/bench_regime.sh            # about 1 h 45 min on a 2-core machine; results/bench/regime/
 #   OUT=/tmp/r ROUNDS=1 STEPS=1 scripts/bench_regime.sh   # a smoke run of the same plan
+#   RUNS="m2m_w2 ablation_w2" scripts/bench_regime.sh      # only these runs; the goals read every folder there
 # A regime (v100-25g: 30 TFLOP/s, 25 Gbit/s per GPU; a100-100g: 120 TFLOP/s, 100 Gbit/s per GPU;
 # perf/simulator/regimes.py) fixes the share of a step c10d's all-reduce takes on the released model a
 # workload stands for (perf/simulator/real_models.py). Each launch times the compute-only floor after
@@ -54,27 +55,52 @@ BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather
 ABLATION=embrace_noschedule,embrace_fifo,embrace_schedule,embrace_next_forward,embrace_relaxed
 LAYOUT_OUTPUT=embrace_contiguous,embrace_output_gather,embrace_output_vocab_parallel
 
-bench --models translation,gpt_lm,lm --worlds 4 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
-      --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/w4"
-for m in xlmr m2m ${MBART:+mbart}; do
-  bench --models "$m" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
-        --calibration-steps 2 --timeout 4500 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/${m}_w2"
+run_w4() {
+  bench --models translation,gpt_lm,lm --worlds 4 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
+        --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/w4"
+}
+large_w2() {
+  bench --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
+        --calibration-steps 2 --timeout 4500 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/$1_w2"
+}
+run_xlmr_w2() { large_w2 xlmr; }
+run_m2m_w2() { large_w2 m2m; }
+run_mbart_w2() { large_w2 mbart; }
+run_m2m_w4() {
+  bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --timeout 4500 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/m2m_w4"
+}
+run_ablation_w2() {
+  bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+        --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w2"
+}
+run_ablation_w4() {
+  bench --models translation --worlds 4 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+        --strategies "$ABLATION,$LAYOUT_OUTPUT,compute_floor" --out "$OUT/ablation_w4"
+}
+run_nodes_2x2() {
+  bench --models translation --worlds 4 --ranks-per-node 2 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+        --strategies fairseq_c10d,sparse_allgather,embrace_schedule,embrace_node,embrace_two_level,compute_floor \
+        --out "$OUT/nodes_2x2"
+}
+run_xlmr_layout_w2() {
+  bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
+}
+run_mbart_ablation_w2() {
+  "$PY" -m embrace_fairseq.perf.bench --regime a100-100g --warmup 1 --allocator "${ALLOCATOR:-auto}" --models mbart \
+        --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --timeout 4500 --strategies "$ABLATION,compute_floor" --out "$OUT/mbart_ablation_w2"
+}
+
+PLAN=(w4 xlmr_w2 m2m_w2 ${MBART:+mbart_w2} m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 ${MBART:+mbart_ablation_w2})
+for run in ${RUNS:-${PLAN[@]}}; do
+  declare -F "run_$run" >/dev/null || { echo "bench_regime.sh: no run named '$run' (runs: ${PLAN[*]} mbart_w2 mbart_ablation_w2)" >&2; exit 2; }
+  "run_$run"
 done
-bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-      --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/m2m_w4"
-bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
-      --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w2"
-bench --models translation --worlds 4 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
-      --strategies "$ABLATION,$LAYOUT_OUTPUT,compute_floor" --out "$OUT/ablation_w4"
-bench --models translation --worlds 4 --ranks-per-node 2 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
-      --strategies fairseq_c10d,sparse_allgather,embrace_schedule,embrace_node,embrace_two_level,compute_floor \
-      --out "$OUT/nodes_2x2"
-bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-      --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
-if [ -n "${MBART:-}" ]; then
-  "$PY" -m embrace_fairseq.perf.bench --regime a100-100g --warmup 1 --allocator "${ALLOCATOR:-auto}" --models mbart --worlds 2 --pin-cores \
-        --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --strategies "$ABLATION,compute_floor" --out "$OUT/mbart_ablation_w2"
-fi
-RUNS=(w4 xlmr_w2 m2m_w2 ${MBART:+mbart_w2} m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 ${MBART:+mbart_ablation_w2})
-"$PY" -m embrace_fairseq.perf.bench.regime_goals "${RUNS[@]/#/$OUT/}" --fit-on translation:v100-25g --out "$OUT/goals.md"
+# the goals read every folder of the plan that is there (a RUNS subset keeps the others' results)
+FOLDERS=()
+for run in w4 xlmr_w2 m2m_w2 mbart_w2 m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 mbart_ablation_w2; do
+  [ -f "$OUT/$run/bench.json" ] && FOLDERS+=("$OUT/$run")
+done
+"$PY" -m embrace_fairseq.perf.bench.regime_goals "${FOLDERS[@]}" --fit-on translation:v100-25g --out "$OUT/goals.md"

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from embrace_fairseq.perf.bench.calibration import c10d_bytes, calibrate, limit_steps, link_for_regime
+from embrace_fairseq.perf.bench.calibration import (MAX_WARM_STEPS, c10d_bytes, calibrate, is_warm, limit_steps,
+                                                    link_for_regime)
 from embrace_fairseq.perf.bench.report import regime_check
 from embrace_fairseq.perf.simulator.paper import PAPER_LATENCY_S
 from embrace_fairseq.perf.simulator.real_models import REAL_MODEL_OF, REAL_MODELS, real_model_of
@@ -169,6 +170,9 @@ def test_regime_smoke_on_loopback(tmp_path):
         assert c["regime"] == regime and c["real_model"] == "transformer_base_wmt_en_de"
         assert c["ratio"] == pytest.approx(c10d_comm_ratio("transformer_base_wmt_en_de", regime, 2))
         assert len(c["floor_steps_s"]) == 2 and c["floor_s"] > 0 and c["link_applied"] is False
+        # timed only once warm: at least two untimed steps, the last two agreeing unless the cap ran out
+        warm = c["warm_steps_s"]
+        assert 2 <= len(warm) <= MAX_WARM_STEPS and (is_warm(warm) or len(warm) == MAX_WARM_STEPS)
         assert c["c10d_bytes_per_rank_per_step"] / c["bytes_per_s"] == pytest.approx(c["ratio"] * c["floor_s"])
         assert c["scale"] == pytest.approx(c["floor_s"] / c["real_floor_s"])
         run = next(r for r in res["runs"] if r["regime"] == regime)

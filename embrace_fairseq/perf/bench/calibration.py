@@ -29,8 +29,25 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 #: bytes per element the benchmark's gradients take (fp32 on these CPU ranks)
 BENCH_ELEMENT_BYTES = 4
-#: compute-only floor steps the calibration times (after the warm-up), their median taken
-CALIBRATION_STEPS = 3
+#: the floor is warm when two untimed steps in a row agree within this share of the shorter
+WARM_TOLERANCE = 0.15
+#: untimed floor steps at most before the timed ones (a floor that never settles is timed anyway)
+MAX_WARM_STEPS = 6
+
+
+def is_warm(untimed_steps_s: Sequence[float], tolerance: float = WARM_TOLERANCE) -> bool:
+    """Whether the floor's untimed steps have settled (the last two within ``tolerance``).
+
+    One untimed step was not enough: an M2M-100 floor took 4.4 s and then 1.7 s, and the
+    median of the two set the link 1.8x too slow for the rounds' 1.7 s floor.
+
+    >>> is_warm([24.0]), is_warm([4.4, 1.7]), is_warm([24.0, 3.9, 3.7])
+    (False, False, True)
+    """
+    if len(untimed_steps_s) < 2:
+        return False
+    a, b = untimed_steps_s[-2:]
+    return abs(a - b) <= tolerance * min(a, b)
 
 
 def c10d_bytes(world: int, tables: Sequence[Mapping[str, int]], dense_numel: int,
@@ -63,10 +80,11 @@ def link_for_regime(ratio: float, floor_s: float, c10d_bytes_per_step: float, re
 
 def calibrate(workload: str, world: int, floor_steps_s: Sequence[float], tables: Sequence[Mapping[str, int]],
               dense_numel: int, regimes: Sequence[str], latency_applied: bool,
-              link_applied: bool = True) -> List[Dict[str, Any]]:
+              link_applied: bool = True, warm_steps_s: Sequence[float] = ()) -> List[Dict[str, Any]]:
     """One calibrated link per regime for ``workload`` on ``world`` ranks, from the floor's
     timed steps (their median) and the model's tables and dense size; ``link_applied``:
-    false on loopback (the rate is computed and recorded, nothing shapes it)."""
+    false on loopback (the rate is computed and recorded, nothing shapes it); ``warm_steps_s``:
+    the untimed steps before them (recorded only)."""
     import statistics
 
     from embrace_fairseq.perf.simulator.real_models import real_model_of
@@ -84,6 +102,7 @@ def calibrate(workload: str, world: int, floor_steps_s: Sequence[float], tables:
             "regime": regime.name, "regime_spec": regime.as_dict(), "real_model": real.name,
             "real_model_description": real.description, "ratio": terms["ratio"], "real_comm_s": terms["comm_s"],
             "real_floor_s": terms["floor_s"], "floor_s": floor_s, "floor_steps_s": list(floor_steps_s),
+            "warm_steps_s": list(warm_steps_s),
             "c10d_bytes_per_rank_per_step": sent, "scale": link["scale"], "bytes_per_s": link["bytes_per_s"],
             "gbit": link["gbit"], "latency_ms": link["latency_ms"], "link_applied": link_applied,
             "latency_applied": latency_applied and link_applied,

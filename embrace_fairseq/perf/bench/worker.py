@@ -244,29 +244,34 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
 def _calibrate(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, world: int,
                counter: Any) -> List[Dict[str, Any]]:
     """The regimes' links for this model and world (:mod:`.calibration`): the compute-only
-    floor timed for a few steps, each between two barriers (so rank 0's clock holds the
+    floor, once warm, timed for a few steps, each between two barriers (so rank 0's clock holds the
     slowest rank's step), rank 0 computes the links, every rank takes rank 0's."""
     import torch.distributed as dist
 
     from embrace_fairseq.core.collectives import all_gather_object
     from embrace_fairseq.perf.bench import workloads as W
-    from embrace_fairseq.perf.bench.calibration import calibrate
+    from embrace_fairseq.perf.bench.calibration import MAX_WARM_STEPS, calibrate, is_warm
 
     floor = built[FLOOR]
     first = floor.steps_done
-    times = []
     counter.enabled = False
-    # one untimed floor step first: the warm-up ran every strategy after the floor, so the
-    # floor's blocks are not the allocator's to reuse yet (an mBART floor step took 24 s
-    # cold and 3.7 s after, and a median of the two set the link 4.7x too slow)
-    for i in range(1 + spec.get("calibration_steps", 3)):
+
+    def timed_floor_step() -> float:
         batch = batches.get(floor.steps_done, rank)
         dist.barrier()
         t0 = time.perf_counter()
         floor.step(batch)
         dist.barrier()
-        if i:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    # untimed floor steps until two in a row agree (calibration.is_warm): the warm-up ran every
+    # strategy after the floor, so the floor's blocks are not the allocator's to reuse yet (an
+    # mBART floor step took 24 s cold and 3.7 s after). Rank 0 decides, so every rank steps
+    # (and meets the barriers) as often.
+    untimed: List[float] = []
+    while len(untimed) < MAX_WARM_STEPS and not all_gather_object(is_warm(untimed))[0]:
+        untimed.append(timed_floor_step())
+    times = [timed_floor_step() for _ in range(spec.get("calibration_steps", 3))]
     # the timed rounds pair step i of every strategy with batch i: the floor starts them
     # where the others do (it trains on these batches again; its losses are its own anyway)
     floor.steps_done = first
@@ -277,9 +282,9 @@ def _calibrate(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: 
         tables = [{"vocab": int(params[t].shape[0]), "dim": int(params[t].shape[1])} for t in w.tables]
         dense = int(sum(p.numel() for n, p in params.items() if n not in w.tables))
         links = calibrate(spec["model"], world, times, tables, dense, spec["regimes"], spec["latency_applied"],
-                          link_applied=not spec["loopback"])
+                          link_applied=not spec["loopback"], warm_steps_s=untimed)
         _log(rank, "calibrated links: " + ", ".join(f"{c['regime']} {c['gbit']:.3g} Gbit/s" for c in links)
-             + f" (floor {statistics.median(times):.3f} s)")
+             + f" (floor {statistics.median(times):.3f} s after {len(untimed)} untimed steps)")
     links = all_gather_object(links)[0]
     counter.take()
     return links
