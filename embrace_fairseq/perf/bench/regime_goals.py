@@ -233,7 +233,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         sim = simulator_across(a.dirs, (model, regime))
         L += ["## The simulator across the folders", "",
               f"Knobs fitted on {model}/{regime} of {', '.join(f'`{d}`' for d in a.dirs)} together "
-              f"({sim['fitted_on']['runs']} runs); every other run of every folder predicted out of sample.", ""]
+              f"({sim['fitted_on']['runs']} runs): "
+              + ", ".join(f"{k} {v:g}" for k, v in sim["knobs"].items())
+              + ". Every other run of every folder predicted out of sample.", ""]
         L += goals_markdown(simulator_rows(sim))[4:]
     text = "\n".join(L)
     if a.out:

@@ -26,6 +26,9 @@ FIT_GRID = {
     # up to tens of ms: ranks that share cores wait for each other at every collective
     "overhead_s": (0.0, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3),
     "host_s_per_byte": (0.0, 1e-9, 2e-9, 4e-9, 6e-9, 8e-9, 12e-9, 16e-9),
+    # ranks sharing a core compute slower than a core split evenly between them (caches,
+    # memory bandwidth, switches): the compute of oversubscribed runs is share x this
+    "shared_core_slowdown": (1.0, 1.2, 1.4, 1.6, 1.8, 2.0),
 }
 
 
@@ -91,18 +94,19 @@ def _run_profile(run: dict, prof: Profile, strategy: str) -> Profile:
 
 
 def validate(bench: dict, *, latency_floor_s: float = 0.0, efficiency: float = 1.0, overhead_s: float = 0.0,
-             host_s_per_byte: float = 0.0, tied: Optional[Dict[str, str]] = None,
+             host_s_per_byte: float = 0.0, shared_core_slowdown: float = 1.0, tied: Optional[Dict[str, str]] = None,
              opts: Options = Options(defer_rows=False), oversubscription: bool = True) -> dict:
     """Predict every measured run of a bench JSON; relative errors per run and summary.
 
     By default the schedule is modelled as implemented (no deferral of gradient rows
     into the next forward: the exchange is synchronous in ``ShardedEmbedding``).
     With ``oversubscription`` the compute (measured one process at a time) is scaled
-    by ``max(1, N / cpus)`` when N ranks share the machine's ``cpus`` cores.
+    by ``max(1, N / cpus)`` when N ranks share the machine's ``cpus`` cores, and by
+    ``shared_core_slowdown`` more when that share is above 1.
     """
     profiles, runs = runs_and_profiles(bench)
     knobs = {"efficiency": efficiency, "overhead_s": overhead_s, "host_s_per_byte": host_s_per_byte,
-             "latency_floor_s": latency_floor_s}
+             "shared_core_slowdown": shared_core_slowdown, "latency_floor_s": latency_floor_s}
     return validate_parsed(profiles, runs, bench.get("meta", {}), knobs, tied, opts, oversubscription)
 
 
@@ -129,8 +133,9 @@ def _predict_run(run: dict, profiles: Dict[str, Profile], knobs: Dict[str, float
         contention=share,
     )
     prof = profiles[run["model"]]
+    compute_scale = share * knobs.get("shared_core_slowdown", 1.0) if share > 1.0 else 1.0
     pred = predict(_run_profile(run, prof, strategy) if recorded_path else prof, strategy, n, net, opts,
-                   compute_scale=share)
+                   compute_scale=compute_scale)
     measured = float(run["median_step_s"])
     steps = [float(x) for x in run.get("step_s") or []]
     # the run's own spread (interquartile range over the median): a noise floor
@@ -232,7 +237,8 @@ class _KnobSearch:
 def fit_network(bench: dict, *, tied: Optional[Dict[str, str]] = None, opts: Options = Options(defer_rows=False),
                 holdouts: Sequence[str] = ("link_gbit", "model"), grid: Dict[str, Sequence[float]] = FIT_GRID,
                 oversubscription: bool = True) -> dict:
-    """Fit the network knobs (efficiency, per-collective overhead, host CPU per byte).
+    """Fit the knobs (efficiency, per-collective overhead, host CPU per byte, the slowdown of
+    ranks sharing a core).
 
     A grid search minimising the mean relative error. For each field in ``holdouts``,
     the runs with each value of it are predicted by knobs fitted on the other runs (an
