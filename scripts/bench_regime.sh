@@ -1,36 +1,36 @@
 #!/usr/bin/env bash
 # The regime benchmark: every link calibrated to a compute-matched regime instead of a fixed rate.
-#   scripts/bench_regime.sh            # about 1 h 45 min on a 2-core machine; results/bench/regime/
+#   scripts/bench_regime.sh            # about 50 min on a 2-core machine with jemalloc; results/bench/regime/
 #   OUT=/tmp/r ROUNDS=1 STEPS=1 scripts/bench_regime.sh   # a smoke run of the same plan
 #   RUNS="m2m_w2 ablation_w2" scripts/bench_regime.sh      # only these runs; the goals read every folder there
 # A regime (v100-25g: 30 TFLOP/s, 25 Gbit/s per GPU; a100-100g: 120 TFLOP/s, 100 Gbit/s per GPU;
 # perf/simulator/regimes.py) fixes the share of a step c10d's all-reduce takes on the released model a
 # workload stands for (perf/simulator/real_models.py). Each launch times the compute-only floor after
-# its warm-up and sets the emulated link so that the bench's c10d bytes take that share of it; the two
+# its warm-up (once two untimed steps agree) and sets the emulated link so that the bench's c10d bytes take that share of it; the two
 # regimes are the run's links, interleaved round by round. Each report gives the limit (the floor or
 # EmbRace's minimum bytes over the link, whichever is longer) and every strategy's step over it.
 # Runs (each its own bench.json and report.md under results/bench/regime/<run>/):
 #   w4            the main-job translation model, the tied GPT-style LM and the untied LM on 4 ranks:
 #                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather), EmbRace
-#                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 15 min);
+#                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 8 min);
 #   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
-#                 strategies; 3 rounds x 1 step (about 18 and 15 min). XLM-R on 4 ranks does not fit:
+#                 strategies; 3 rounds x 1 step (about 11 and 6 min). XLM-R on 4 ranks does not fit:
 #                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
-#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 25 min);
+#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 9 min);
 #   ablation_w2   the schedule's parts on the translation model, 2 ranks pinned to a core each: no
 #                 overlap, FIFO overlap, the 2D schedule, + next-forward overlap, + relaxed embedding
-#                 dependency, and the floor; 3 rounds x 2 steps (about 6 min);
+#                 dependency, and the floor; 3 rounds x 2 steps (about 1 min);
 #   ablation_w4   the same parts on 4 ranks, with the layout (contiguous shards) and the output rule
 #                 (--embrace-output gather, vocab-parallel; the default auto picks one per step)
-#                 (about 8 min);
+#                 (about 3 min);
 #   nodes_2x2     the translation model on 2 nodes of 2 ranks (one namespace per node: fast inside,
 #                 the regime's link between): c10d, the sparse all-gather, EmbRace flat, with the
-#                 node-aware exchange and with the two-level all-reduce (about 6 min);
-#   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 12 min).
+#                 node-aware exchange and with the two-level all-reduce (about 2 min);
+#   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 6 min).
 # `MBART=1` adds the mBART workload on 2 pinned ranks (every baseline, both regimes) and its
-# schedule ablation in a100-100g: its floor step is about 21 s per rank on this machine and its real
-# model's c10d / floor ratio is about 2.7, so a stock step takes about 80 s: about 65 min for both.
+# schedule ablation in a100-100g (about 8 and 4 min with jemalloc; its first floor step is cold,
+# about 24 s, then about 2.7 s).
 # The goals (results/bench/regime/goals.md) end with the simulator fitted once on the translation
 # model in v100-25g and every other workload of every folder predicted out of sample.
 set -euo pipefail

@@ -357,12 +357,14 @@ def build_embrace_contiguous(name: str, w: W.Workload, task: Any, data, counter:
 
 def build_embrace_output_gather(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                                 trace_prefix: Optional[str] = None) -> Strategy:
-    return _embrace(name, w, task, data, True, trace_prefix, output="gather")
+    # where no output layer reads the table the rule has nothing to rule: (e) as it is
+    return _embrace(name, w, task, data, True, trace_prefix, output="gather" if w.ties_output else None)
 
 
 def build_embrace_output_vocab_parallel(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                                         trace_prefix: Optional[str] = None) -> Strategy:
-    return _embrace(name, w, task, data, True, trace_prefix, output="vocab-parallel")
+    # where no output layer reads the table the rule has nothing to rule: (e) as it is
+    return _embrace(name, w, task, data, True, trace_prefix, output="vocab-parallel" if w.ties_output else None)
 
 
 def build_embrace_node(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

@@ -390,7 +390,8 @@ def simulator_section(result: Dict[str, Any]) -> List[str]:
     where = (f"**{f['model']}** {at}"
              + (f", {f['world_size']} ranks" if "world_size" in f else "") + f" ({f['runs']} runs)")
     L += [f"Network knobs fitted on {where} only: efficiency {k['efficiency']:.2f}, overhead "
-          f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte "
+          f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte, "
+          f"ranks sharing a core {k.get('shared_core_slowdown', 1.0):.1f}x slower "
           f"(in-sample mean |error| {_pct(sim['in_sample']['mean_abs_rel_error'])}). Compute comes from each "
           "model's own measured profile; every other run is predicted with those knobs. Error = (predicted - "
           "measured) / measured: negative where the simulator is too fast.", "",

@@ -57,6 +57,14 @@ class Workload:
         return "masked_lm" in self.task_args
 
     @property
+    def ties_output(self) -> bool:
+        """Whether an output layer reads the token table (what ``--embrace-output`` rules):
+        RoBERTa's LM head, a shared decoder input/output or all-shared embeddings; not an
+        untied output or an adaptive softmax."""
+        return self.is_masked_lm or any(flag in self.model_args for flag in
+                                        ("--share-all-embeddings", "--share-decoder-input-output-embed"))
+
+    @property
     def tables(self) -> Tuple[str, ...]:
         """The token tables' parameter names, the encoder's first: one when the model shares
         a table between its lookups (an LM, ``--share-all-embeddings``), else the encoder's

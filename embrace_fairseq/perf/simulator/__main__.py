@@ -120,8 +120,8 @@ def _print_out_of_sample(res: dict) -> None:
     where = (f"{f['model']} in {f['regime']} (calibrated {f['link_gbit']:.3g} Gbit/s)" if "regime" in f
              else f"{f['model']} at {f['link_gbit']:g} Gbit/s") + (f", {f['world_size']} ranks" if "world_size" in f else "")
     print(f"fitted on {where} ({f['runs']} runs): efficiency {k['efficiency']:.2f}, overhead "
-          f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte; "
-          f"in-sample mean |error| {_pct(res['in_sample']['mean_abs_rel_error'])}; compute from {res['compute']}")
+          f"{1e3 * k['overhead_s']:.2f} ms per collective, host {1e9 * k['host_s_per_byte']:.0f} ns per byte, "
+          f"ranks sharing a core {k.get('shared_core_slowdown', 1.0):.1f}x slower; in-sample mean |error| {_pct(res['in_sample']['mean_abs_rel_error'])}; compute from {res['compute']}")
     print(f"{'model':12s} {'N':>3s} {'link':>10s} {'strategy':20s} {'measured':>9s} {'predicted':>9s} "
           f"{'error':>7s}  set")
     for r in res["runs"]:
@@ -182,7 +182,8 @@ def _validate(a: argparse.Namespace) -> int:
     if a.fit:
         res["fit"] = f = fit_network(bench, tied=tied, opts=opts, oversubscription=not a.no_oversubscription)
         print(f"fitted: efficiency {f['efficiency']:.2f}, overhead {1e3 * f['overhead_s']:.2f} ms per collective, "
-              f"host {1e9 * f['host_s_per_byte']:.0f} ns per byte; mean |error| "
+              f"host {1e9 * f['host_s_per_byte']:.0f} ns per byte, ranks sharing a core "
+              f"{f.get('shared_core_slowdown', 1.0):.1f}x slower; mean |error| "
               f"{100 * f['in_sample_mean_abs_rel_error']:.1f}% in sample"
               + "".join(f", {100 * e:.1f}% holding out each {k}" for k, e in f["holdout"].items()))
     _write_json(res, a.out)
