@@ -109,7 +109,10 @@ def test_nodes_share_a_namespace_and_only_the_node_link_is_shaped():
                 f"for _ in range(100):\n"
                 f"    try: s = socket.create_connection(('{r[0].addr}', 9100)); break\n"
                 f"    except OSError: time.sleep(0.1)\n"
-                f"s.sendall(b'x' * 2_000_000); s.close()")
+                f"s.sendall(b'x' * 2_000_000)\n"
+                # sendall returns once the kernel holds the bytes, not once they left the shaped
+                # link: wait for the listener's close, which follows its reading all of them
+                f"s.shutdown(socket.SHUT_WR); s.recv(1); s.close()")
         try:
             before = _tx_bytes(r[1])
             subprocess.run(r[1].command_prefix() + [sys.executable, "-c", send], check=True, timeout=60)
