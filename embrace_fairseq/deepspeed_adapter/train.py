@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from embrace_fairseq.guards import clean_exit, one_line_errors
+from embrace_fairseq.guards import one_line_errors
 
 logger = logging.getLogger("embrace_fairseq.deepspeed_adapter.train")
 
@@ -201,7 +201,6 @@ def _quiet_tensorboardx_notice() -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     one_line_errors.install()  # a bad config or flag ends the command with one line
-    clean_exit.install()  # the process group destroyed before the interpreter finalizes
     _quiet_tensorboardx_notice()
     importlib.import_module("fairseq_cli.train")  # first: it sets up logging as fairseq-train does
     from fairseq.distributed import utils as distributed_utils

@@ -12,10 +12,6 @@ from embrace_fairseq.guards import one_line_errors
 
 one_line_errors.install()  # a user's mistake (a refused flag, a bad checkpoint) ends fairseq's commands with one line
 
-from embrace_fairseq.guards import clean_exit
-
-clean_exit.install()  # fairseq-train never destroys its process group: gloo's threads could abort the exit
-
 from embrace_fairseq.fairseq_adapter import checkpoint_io, scheduled_ddp, trainer_glue, vocab_parallel_criteria
 from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)
     models,

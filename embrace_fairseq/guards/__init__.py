@@ -3,6 +3,5 @@
 :mod:`.watchdog` (a lost or hung peer stops every rank), :mod:`.atomic_io`
 (checkpoints written atomically with a SHA-256 sidecar), :mod:`.replica_check` (dense
 replicas identical on every rank), :mod:`.startup_guard` (the same schedule and dense
-weights everywhere at start-up), :mod:`.clean_exit` (the process group destroyed before
-the interpreter finalizes).
+weights everywhere at start-up).
 """

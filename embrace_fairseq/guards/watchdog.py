@@ -19,6 +19,12 @@ the rendezvous store torch.distributed already has:
 * the store itself unreachable for ``timeout`` seconds (its host, rank 0 for ``tcp://``
   and ``env://`` rendezvous without torchrun, is gone) counts as a loss too.
 
+The thread ends before the interpreter does: :func:`stop` (at exit) joins it. A daemon
+thread still inside a store call when Python finalizes is ended by the interpreter
+(``pthread_exit``) as it takes the GIL back, and the unwinding through c10d's C++ frames
+aborts the process (``terminate called without an active exception``, exit 134, after a
+run that was complete).
+
 On a loss it logs ``rank K lost: ...`` to stderr (``ranks K, L lost: rank K: ...; rank L:
 ...`` when several are: a node that goes away takes all its ranks, and one more round
 after the first loss lets those seen a round later be named too) and ends the process
@@ -42,6 +48,9 @@ TIMEOUT_ENV = "EMBRACE_PEER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 #: Exit status of a rank stopped because a peer was lost.
 LOST_PEER_EXIT_CODE = 43
+#: Seconds :meth:`PeerWatchdog.stop` waits for the thread's round in progress (store
+#: calls of milliseconds; the bound covers a store host that stopped answering)
+JOIN_TIMEOUT_S = 5.0
 _PREFIX = "embrace_watchdog/"
 
 
@@ -239,10 +248,13 @@ class PeerWatchdog:
 
     # ------------------------------------------------------------------ end
     def stop(self, ok: bool = True, reason: str = "") -> None:
-        """Publish how this rank ends and stop watching (idempotent)."""
+        """Publish how this rank ends, stop watching and wait for the thread to end
+        (at most :data:`JOIN_TIMEOUT_S`: see the module's doc for why). Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(JOIN_TIMEOUT_S)
         status = "ok" if ok else f"failed: {reason}"[:500]
         try:
             self.store.set(f"exit/{self.rank}", status)
