@@ -14,7 +14,8 @@
 #                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather), EmbRace
 #                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 8 min);
 #   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
-#                 strategies; 3 rounds x 1 step (about 11 and 6 min). XLM-R on 4 ranks does not fit:
+#                 strategies and EmbRace with the output layer's table gradient in its backward (the
+#                 deferral's ablation); 3 rounds x 1 step (about 13 and 7 min). XLM-R on 4 ranks does not fit:
 #                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
 #   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 9 min);
@@ -61,7 +62,8 @@ run_w4() {
 }
 large_w2() {
   bench --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
-        --calibration-steps 2 --timeout 4500 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/$1_w2"
+        --calibration-steps 2 --timeout 4500 \
+        --strategies "$BASELINES,embrace_schedule,embrace_eager_output_grad,compute_floor" --out "$OUT/$1_w2"
 }
 run_xlmr_w2() { large_w2 xlmr; }
 run_m2m_w2() { large_w2 m2m; }

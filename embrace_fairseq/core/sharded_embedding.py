@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from embrace_fairseq.core import collectives, native_ops
 from embrace_fairseq.core.ledger import CommLedger
+from embrace_fairseq.core.deferred_grad import DeferredGrads
 
 from embrace_fairseq.core.ids import InvalidIdError, invalid_id_message, validate_ids
 from embrace_fairseq.core.input_dist import plan_exchange
@@ -168,6 +169,9 @@ class ShardedEmbedding(nn.Module):
         # evaluation replica: (weight version when gathered, full table), see eval_replica()
         self._replica: Optional[Tuple[int, torch.Tensor]] = None
         self._grad_exchange_scope: Optional[Callable[[], ContextManager[None]]] = None
+        # the vocab-parallel output layer's table gradient, computed at finish_pending()
+        self.deferred_grads = DeferredGrads()
+        self.defer_output_grad = False
         self.set_table_overlap(overlap_table)
 
     # ------------------------------------------------------------------ shape info
@@ -373,6 +377,16 @@ class ShardedEmbedding(nn.Module):
             self._table_grads = PendingTableGrads(self.plan, grad_group, self.rank, self.grad_scale, ledgers_for(self.ledger))
         self.overlap_table = True
 
+    def set_defer_output_grad(self, enabled: bool) -> None:
+        """Compute the table's gradient from a vocab-parallel output layer at
+        :meth:`finish_pending` instead of in its backward (:mod:`.vocab_parallel`,
+        "Deferred table gradient"): the layers below start their backward, and their
+        dense all-reduce, one large product earlier, and the product runs while that
+        all-reduce is in flight. Results are the same. No communication."""
+        if not enabled:
+            self.deferred_grads.flush()
+        self.defer_output_grad = bool(enabled) and self.is_sharded
+
     def _overlapping(self) -> bool:
         return self.overlap_table and self.relaxed is None and self._table_grads is not None
 
@@ -392,7 +406,9 @@ class ShardedEmbedding(nn.Module):
         """Wait for the table-gradient reduce-scatters in flight and add them to ``.grad``;
         drop a gather issued before this point (the step that follows changes the
         weights). Call on every rank before anything reads ``.grad`` (norm, clipping,
-        optimizer)."""
+        optimizer). Computes the deferred output-layer gradient first: the dense
+        all-reduce is still in flight here in both engines."""
+        self.deferred_grads.flush()
         if self._table_grads is not None:
             self._table_grads.finish(self.weight)
         self._drop_prefetched_table()
@@ -452,7 +468,8 @@ class ShardedEmbedding(nn.Module):
         if not self.is_sharded:
             self.plan = new_plan
             return
-        if self.weight.grad is not None or self._table_grads is not None and len(self._table_grads):
+        if (self.weight.grad is not None or len(self.deferred_grads)
+                or self._table_grads is not None and len(self._table_grads)):
             raise RuntimeError("set_layout() with gradients pending: change the layout before training starts")
         full = self.full_weight()
         self._drop_prefetched_table()

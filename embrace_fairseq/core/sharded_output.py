@@ -13,6 +13,7 @@ keep the logits path.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Tuple, Union
 
 import torch
@@ -37,6 +38,8 @@ from embrace_fairseq.core.vocab_parallel import (
     prefetch_counts,
     vocab_parallel_loss,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def table_rows(table: ShardedEmbedding) -> torch.Tensor:
@@ -96,11 +99,12 @@ class VocabParallelOutput:
             return flat.view(*features.shape[:-1], weight.shape[0])
         return F.linear(features, weight)
 
-    def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden, weight)`` whose product is this rank's logits for the vocab-parallel
-        loss: the table's own shard; a layer with more than ``features @ W^T`` (a bias)
-        widens both."""
-        return hidden, self.output_table().weight
+    def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(hidden, weight, extra)``: ``hidden @ [weight | extra]^T`` is this rank's logits
+        for the vocab-parallel loss; ``weight`` the table's own shard, ``extra`` None or
+        more columns of it for a layer with more than ``features @ W^T`` (a bias's rows,
+        against columns appended to ``hidden``)."""
+        return hidden, self.output_table().weight, None
 
     def project(self, features: torch.Tensor):
         if self.takes_marker:
@@ -172,13 +176,19 @@ class VocabParallelLogits:
         table._read_full_table = False  # no table prefetch for the next steps' lookups
         if table.relaxed is not None:
             table.relaxed.before_full_read(table)
+        table.deferred_grads.flush()  # a previous backward's, not finished (accumulation)
+        if table.defer_output_grad and not getattr(table, "_told_deferred", False):
+            table._told_deferred = True
+            logger.info("EmbRace output layer: the table's gradient is computed after the backward, beside the "
+                        "dense all-reduce (deferred)")
         spec = VocabShardSpec(
             rows=table_rows(table), vocab_size=table.num_embeddings, group=table.group,
             grad_scale=table.grad_scale, ledgers=tuple(ledgers_for(table.ledger)),
+            deferred=table.deferred_grads if table.defer_output_grad else None,
         )
-        hidden, weight = self.layer.shard_operands(hidden)
+        hidden, weight, extra = self.layer.shard_operands(hidden)
         self.result = vocab_parallel_loss(
-            hidden, weight, target, spec, smoothing=smoothing, accuracy=accuracy, counts=counts
+            hidden, weight, target, spec, smoothing=smoothing, accuracy=accuracy, counts=counts, extra=extra
         )
         return self.result
 

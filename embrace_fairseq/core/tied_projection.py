@@ -25,7 +25,7 @@ path's full logits give it.
 from __future__ import annotations
 
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -94,14 +94,13 @@ class BiasedTiedProjection(TiedShardedProjection):
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
         return super().full_logits(features) + self._bias
 
-    def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         table = self.output_table()
         # this rank's rows of the bias, in the shard's row order; gradient x N: the loss
         # scales its weight gradient by the shard's 1/N, the dense all-reduce averages
         rows = _GradTimes.apply(table.plan.shard_rows(self._bias, table.rank), 1.0 / table.grad_scale)
         ones = hidden.new_ones(hidden.shape[0], 1)
-        weight = torch.cat([table.weight, rows.to(table.weight.dtype).unsqueeze(1)], dim=1)
-        return torch.cat([hidden, ones], dim=1), weight
+        return torch.cat([hidden, ones], dim=1), table.weight, rows.to(table.weight.dtype).unsqueeze(1)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", with a replicated bias"

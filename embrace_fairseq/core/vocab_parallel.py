@@ -32,6 +32,17 @@ computes the table's gradient ``E^T (a exp(m_r - logZ) H) - onehot^T (g_nll H) -
 sum_t g_smooth H`` times ``grad_scale`` (``1/N``: the data-parallel average convention
 of the sharded tables), which stays on its rank.
 
+Deferred table gradient (``spec.deferred``): the backward returns the hidden-state
+gradient and hands the table's gradient product (as large as ``Q``) to a
+:class:`~.deferred_grad.DeferredGrads`, computed when the table's pending work is
+finished (``ShardedEmbedding.finish_pending``, before the optimizer step). The layers below
+then run their backward, and their dense gradients go on the wire, one large product
+earlier; the product runs while the dense all-reduce is in flight instead of before
+it starts (Megatron-LM's ``--defer-embedding-wgrad-compute`` does the same for its
+output layer). Columns that are not the table's (``extra``: a replicated bias's rows)
+keep their gradient in the backward: they are dense parameters, all-reduced with the
+others.
+
 Volume per rank, elements: ``2 (N-1) T D`` for the activations against
 ``2 (N-1)/N V D`` for the table: it wins when all ranks' tokens ``N T`` are fewer
 than ``V``. :func:`output_bytes` gives both (in bytes, as the ledger counts them) and
@@ -54,6 +65,7 @@ import torch.nn.functional as F
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
+from embrace_fairseq.core.deferred_grad import DeferredGrads
 from embrace_fairseq.core.ledger import CommLedger, record_all
 from embrace_fairseq.core.trace import mark_start, record_overlapped
 
@@ -300,11 +312,14 @@ class VocabShardSpec:
     group: object = None
     grad_scale: float = 1.0  # on the shard's gradient: 1/N for the data-parallel average
     ledgers: Tuple[CommLedger, ...] = ()
+    deferred: Optional[DeferredGrads] = None  # set: the table's gradient is computed there, later
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """``(hidden T x D, weight shard, target T)`` -> ``(nll T, smooth T, n_correct)``
-    for this rank's tokens, computed against every rank's shard. Collective: in
+    """``(hidden T x (D + k), weight shard |S_r| x D, extra |S_r| x k or None, target T)``
+    -> ``(nll T, smooth T, n_correct)`` for this rank's tokens, computed against every
+    rank's shard (``extra``: more columns of it, e.g. a bias's rows against a column of
+    ones in ``hidden``). Collective: in
     forward two asynchronous gathers (hidden states, targets) and one blocking
     AlltoAll (the statistics); in backward one asynchronous gather (upstream
     gradients and ``logZ``) and one asynchronous reduce-scatter (hidden gradients).
@@ -312,17 +327,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     Overlap: the hidden states' all-gather is in flight while this rank computes its
     own tokens' logits; the upstream gradients' gather while it computes ``E W[S_r]``;
     the reduce-scatter of the hidden-state gradients while it computes the shard's
-    weight gradient. The logits are overwritten by their softmax numerators: one
-    ``M x V/N`` buffer and one ``exp`` per step, which the backward only reads."""
+    weight gradient (unless it is deferred: ``spec.deferred``). The logits are overwritten
+    by their softmax numerators: one ``M x V/N`` buffer and one ``exp`` per step, which
+    the backward only reads."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, spec: VocabShardSpec, counts: List[int], smoothing: bool, accuracy: bool):  # type: ignore[override]
+    def forward(ctx, hidden, weight, extra, target, spec: VocabShardSpec, counts: List[int], smoothing: bool, accuracy: bool):  # type: ignore[override]
         rank, world = _world(spec.group)
         group, ledgers, V = spec.group, spec.ledgers, spec.vocab_size
         offset = sum(counts[:rank])
         mine = counts[rank]
         sl = slice(offset, offset + mine)
-        w = weight.detach()
+        w = weight.detach() if extra is None else torch.cat([weight.detach(), extra.detach().to(weight.dtype)], dim=1)
         h_wait = _gather_rows_async(hidden.detach(), counts, group, ledgers, K.HIDDEN_GATHER)
         y_wait = _gather_rows_async(target.long(), counts, group, ledgers, K.SOFTMAX_STATS)
         z = torch.empty(sum(counts), w.shape[0], dtype=torch.float32, device=hidden.device)
@@ -337,8 +353,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             n_correct = (own.pred == target.long()).sum()
         else:
             n_correct = torch.zeros((), dtype=torch.long)
-        ctx.save_for_backward(h_all, weight, z, stats[:, 0].clone(), col, own.log_z)
+        ctx.save_for_backward(h_all, w, z, stats[:, 0].clone(), col, own.log_z)
         ctx.spec, ctx.counts, ctx.smoothing, ctx.hidden_dtype = spec, list(counts), smoothing, hidden.dtype
+        # deferred only into a parameter's own .grad (what autograd would accumulate)
+        ctx.table = weight if spec.deferred is not None and ctx.needs_input_grad[1] and weight.is_leaf else None
+        ctx.table_cols, ctx.extra_dtype = weight.shape[1], (extra.dtype if extra is not None else None)
         ctx.mark_non_differentiable(n_correct)
         smooth_out = own.smooth if smoothing else own.nll.new_zeros(mine)
         return own.nll, smooth_out, n_correct
@@ -364,11 +383,34 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         # collective on every rank alike, whatever this rank needs; in flight during the
         # weight gradient's product
         dh_wait = _reduce_scatter_rows_async(dh_all, counts, spec.group, spec.ledgers, K.HIDDEN_GRAD)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(e, h_all.float(), col, coef, g_n, g_s).mul_(spec.grad_scale).to(weight.dtype)
+        grad_weight, grad_extra = _weight_grads(ctx, e, h_all, col, coef, g_n, g_s, weight.dtype)
         dh = dh_wait.wait()
-        return (dh if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None, None
+        return (dh if ctx.needs_input_grad[0] else None), grad_weight, grad_extra, None, None, None, None, None
+
+
+def _weight_grads(ctx, e: torch.Tensor, h_all: torch.Tensor, col: torch.Tensor, coef: torch.Tensor,
+                  g_n: torch.Tensor, g_s: Optional[torch.Tensor], dtype: torch.dtype):
+    """The gradients of the table's columns and of the extra ones, times ``grad_scale``;
+    the table's handed to ``spec.deferred`` (None returned) when set."""
+    spec, d = ctx.spec, ctx.table_cols
+    want_table, want_extra = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    h = h_all.float()
+    if ctx.table is None:  # both now, in one product
+        if not (want_table or want_extra):
+            return None, None
+        gw = weight_grad(e, h, col, coef, g_n, g_s).mul_(spec.grad_scale)
+        return ((gw[:, :d].to(dtype) if want_table else None),
+                (gw[:, d:].to(ctx.extra_dtype) if want_extra else None))
+    grad_extra = None
+    if want_extra:  # a dense parameter's: its all-reduce must not wait for the deferral
+        grad_extra = weight_grad(e, h[:, d:], col, coef, g_n, g_s).mul_(spec.grad_scale).to(ctx.extra_dtype)
+    table_h = h[:, :d] if h.shape[1] != d else h
+
+    def table_grad() -> torch.Tensor:
+        return weight_grad(e, table_h, col, coef, g_n, g_s).mul_(spec.grad_scale).to(dtype)
+
+    spec.deferred.defer(ctx.table, table_grad)
+    return None, grad_extra
 
 
 @dataclass
@@ -390,25 +432,33 @@ def vocab_parallel_loss(
     smoothing: bool = False,
     accuracy: bool = False,
     counts: Optional[Sequence[int]] = None,
+    extra: Optional[torch.Tensor] = None,
 ) -> VocabParallelLoss:
     """Cross entropy (and the smoothing term) of this rank's tokens against the full
     vocabulary, with only this rank's rows of the table. Collective.
 
     ``hidden`` (``T x D``) and ``target`` (``T``, global ids) are this rank's tokens,
     masked positions already removed; ``counts`` every rank's ``T`` (all-gathered here
-    when not given). Gradients flow to ``hidden`` (this rank's tokens) and ``weight``
-    (this rank's rows, times ``spec.grad_scale``).
+    when not given). ``extra`` (``|S_r| x k``): more columns of the shard, against the
+    last ``k`` of ``hidden`` (``T x (D + k)``). Gradients flow to ``hidden`` (this
+    rank's tokens), ``weight`` and ``extra`` (this rank's rows, times ``spec.grad_scale``;
+    ``weight``'s through ``spec.deferred`` when set).
     """
     if hidden.dim() != 2 or target.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be T x D and target T, got {tuple(hidden.shape)} and {tuple(target.shape)}")
+    k = 0 if extra is None else extra.shape[1]
+    if hidden.shape[1] != weight.shape[1] + k or (extra is not None and extra.shape[0] != weight.shape[0]):
+        raise ValueError(f"hidden of width {hidden.shape[1]} against a shard of {tuple(weight.shape)} and extra "
+                         f"columns {None if extra is None else tuple(extra.shape)}")
     if counts is None:
         counts = _gather_counts(hidden.shape[0], spec.group, spec.ledgers)
     counts = list(counts)
     if sum(counts) == 0:  # every rank knows: no collective at all
-        zero = hidden.sum() * 0.0 + weight.sum() * 0.0
+        zero = hidden.sum() * 0.0 + weight.sum() * 0.0 + (extra.sum() * 0.0 if extra is not None else 0.0)
         empty = zero.reshape(1)[:0].float()
         return VocabParallelLoss(empty, empty if smoothing else None, torch.zeros((), dtype=torch.long), counts)
-    nll, smooth, n_correct = VocabParallelCrossEntropy.apply(hidden, weight, target, spec, counts, smoothing, accuracy)
+    nll, smooth, n_correct = VocabParallelCrossEntropy.apply(hidden, weight, extra, target, spec, counts, smoothing,
+                                                             accuracy)
     return VocabParallelLoss(nll, smooth if smoothing else None, n_correct, counts)
 
 

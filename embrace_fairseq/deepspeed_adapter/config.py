@@ -74,6 +74,12 @@ class EmbraceConfig:
         otherwise).
     ranks_per_node: ranks on each node for the node-aware exchange (``None``:
         ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE``).
+    defer_output_grad: with ``overlap``, a vocab-parallel output layer's table gradient
+        is computed after the backward (at the step, before it waits for the dense
+        all-reduce) instead of in the output layer's backward: the layers below start
+        their backward and their all-reduce one large product earlier, and the product
+        runs while the all-reduce is in flight (:mod:`embrace_fairseq.core.vocab_parallel`).
+        The same gradients.
     two_level_allreduce: on several nodes of several ranks, all-reduce the dense pieces
         in two levels on gloo (inside the node, across on the rails, inside again: less
         across nodes). Default ``false`` (one ring over all ranks): on the emulated 2 x 2
@@ -98,10 +104,11 @@ class EmbraceConfig:
     exchange: Optional[str] = None
     ranks_per_node: Optional[int] = None
     two_level_allreduce: bool = False
+    defer_output_grad: bool = True
 
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue",
-          "two_level_allreduce"}
+          "two_level_allreduce", "defer_output_grad"}
 _POSITIVE_INTS = {"piece_bytes", "max_in_flight", "bucket_bytes"}
 _POSITIVE_NUMBERS = {"compute_bytes_per_s", "link_bytes_per_s"}
 

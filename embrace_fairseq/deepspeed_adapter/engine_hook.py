@@ -134,6 +134,8 @@ class EmbraceEngineHook:
             self.relaxed = RelaxedRows(self.tables, collectives.new_group(), self.tracer)
         for emb in self.tables:  # model level of the schedule for a tied table's full exchange
             emb.set_table_overlap(config.overlap and self.relaxed is None)
+            # the output layer's table gradient behind the dense all-reduce (_step's finish_pending)
+            emb.set_defer_output_grad(config.overlap and config.defer_output_grad)
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._last_clip_scale = 1.0
         #: ZeRO stage 0: the global gradient norm (dense and all shards) at the last

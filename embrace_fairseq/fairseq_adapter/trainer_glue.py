@@ -17,9 +17,12 @@ the algorithms live in the core modules (grad_norm, optimizer_state).
   moments gathered for a save are dropped by the ranks that do not write at once, and
   by the writer right after writing: no rank keeps them between saves.
 * ``Trainer.__init__``: rejects combinations that cannot work, at start-up, and turns
-  on the overlapped full-table exchange of tied tables (``EMBRACE_TABLE_OVERLAP=0``: off).
-* ``FairseqOptimizer.all_reduce_grads``: first waits for the tables' overlapped
-  gradient reduce-scatters, before any gradient is reduced, scaled or clipped.
+  on the overlapped full-table exchange of tied tables (``EMBRACE_TABLE_OVERLAP=0``: off)
+  and the deferred table gradient of vocab-parallel output layers
+  (``EMBRACE_DEFER_OUTPUT_GRAD=0``: off).
+* ``FairseqOptimizer.all_reduce_grads``: first computes the deferred table gradients and
+  waits for the tables' overlapped gradient reduce-scatters, before any gradient is
+  reduced, scaled or clipped.
 * ``LegacyDistributedDataParallel.__init__``: sizes its all-reduce buffer by the
   parameters it reduces. fairseq sizes it by *all* parameters and all-reduces the
   whole buffer; shards of uneven size (vocab not divisible by the world size) would
@@ -193,8 +196,11 @@ def _trainer_init(original):
     def __init__(self: Trainer, cfg, task, model, criterion, *args, **kwargs):
         validate_training_config(cfg, model)
         overlap = os.environ.get(TABLE_OVERLAP_ENV, "1") != "0"
+        defer = os.environ.get(DEFER_OUTPUT_GRAD_ENV, "1") != "0"
         for emb in sharded_embeddings(model):  # collective: every rank builds its trainer here
             emb.set_table_overlap(overlap)
+            # computed at all_reduce_grads' finish_pending, while the dense all-reduce is in flight
+            emb.set_defer_output_grad(defer)
         return original(self, cfg, task, model, criterion, *args, **kwargs)
 
     return __init__
@@ -202,6 +208,9 @@ def _trainer_init(original):
 
 #: Environment variable: ``0`` keeps the tied tables' full-table exchange synchronous.
 TABLE_OVERLAP_ENV = "EMBRACE_TABLE_OVERLAP"
+#: Environment variable: ``0`` computes a vocab-parallel output layer's table gradient in
+#: its backward instead of after it (see ``ShardedEmbedding.set_defer_output_grad``).
+DEFER_OUTPUT_GRAD_ENV = "EMBRACE_DEFER_OUTPUT_GRAD"
 
 
 def _all_reduce_grads(original):

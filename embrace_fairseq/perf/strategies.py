@@ -281,6 +281,16 @@ register_strategy(
 )
 
 register_strategy(
+    "embrace_eager_output_grad", label="(e-d) EmbRace, 2D schedule, output layer's table gradient in its backward",
+    short="EmbRace eager output grad", aliases=("eager_output_grad",),
+    description="(e) with \"defer_output_grad\": false: a vocab-parallel output layer computes its table's gradient "
+                "in its own backward, before the layers below start theirs and their dense all-reduce (the deferral's "
+                "ablation; the same as (e) where no step takes the vocab-parallel path)",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "schedule"),
+    build=LazyRef(_BUILDERS, "build_embrace_eager_output_grad"), shards_table=True,
+)
+
+register_strategy(
     "embrace_output_gather", label="(e-og) EmbRace, 2D schedule, output layer gathered",
     short="EmbRace output gather", aliases=("output_gather",),
     description="(e) with --embrace-output gather: a tied output layer reads the whole table, all-gathered each "

@@ -22,9 +22,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_matches_full_table(world):
-    results = run_ranks(fns.compare_cases, world, CASES)
+@pytest.mark.parametrize("world,defer", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_matches_full_table(world, defer):
+    """``defer``: the table's gradient is left owed by the backward (the hidden states'
+    is not) and computed at the flush; the same gradients."""
+    results = run_ranks(fns.compare_cases, world, CASES, defer)
     for case_index, case in enumerate(CASES):
         per_rank = [r[case_index] for r in results]
         for rank, r in enumerate(per_rank):
@@ -32,6 +34,8 @@ def test_matches_full_table(world):
             for key in ("loss", "nll", "dh", "dw"):
                 assert r[key] < TOL, (where, key, r)
             assert r["correct"][0] == r["correct"][1], (where, r["correct"])
+            if defer and sum(case[2][:world]):
+                assert r["owed"] == (1, True, True), (where, r["owed"])
         if world > 1 and case[4] == "contiguous":
             # the estimate the choice uses is what the busiest rank records
             kinds = ("hidden_gather", "hidden_grad", "softmax_stats")
@@ -128,6 +132,36 @@ def test_second_backward_through_one_graph_gives_the_same_gradients():
     gh, gw = h.grad.clone(), w.grad.clone()
     loss.backward()
     assert torch.allclose(h.grad, 2 * gh) and torch.allclose(w.grad, 2 * gw)
+
+
+def test_deferred_table_gradient_with_extra_columns():
+    """A bias's rows as extra columns (RoBERTa's head): deferred, the backward leaves the
+    extra columns' gradient (a dense parameter's) and the hidden states' in place and
+    owes only the table's; after the flush every gradient equals the eager backward's."""
+    import torch
+
+    from embrace_fairseq.core.deferred_grad import DeferredGrads
+    from embrace_fairseq.core.vocab_parallel import VocabShardSpec, vocab_parallel_loss
+
+    g = torch.Generator().manual_seed(3)
+    h0, w0, b0 = torch.randn(6, 4, generator=g), torch.randn(9, 4, generator=g), torch.randn(9, 1, generator=g)
+    target = torch.randint(0, 9, (6,), generator=g)
+    grads = {}
+    for defer in (False, True):
+        h, w, b = (t.clone().requires_grad_() for t in (h0, w0, b0))
+        deferred = DeferredGrads() if defer else None
+        spec = VocabShardSpec(rows=torch.arange(9), vocab_size=9, grad_scale=0.5, deferred=deferred)
+        res = vocab_parallel_loss(torch.cat([h, torch.ones(6, 1)], dim=1), w, target, spec, smoothing=True, extra=b)
+        (res.nll.sum() + 0.1 * res.smooth.sum()).backward()
+        if defer:
+            assert w.grad is None and b.grad is not None and h.grad is not None and len(deferred) == 1
+            deferred.flush()
+            assert len(deferred) == 0
+        grads[defer] = (h.grad, w.grad, b.grad)
+    for eager, late in zip(grads[False], grads[True]):
+        assert torch.allclose(eager, late, atol=1e-6)
+    with pytest.raises(ValueError, match="hidden of width"):
+        vocab_parallel_loss(h0, w0, target, VocabShardSpec(rows=torch.arange(9), vocab_size=9), extra=b0)
 
 
 def test_token_counts_prefetched_before_the_forward():

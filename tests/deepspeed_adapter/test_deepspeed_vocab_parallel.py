@@ -23,6 +23,11 @@ def test_output_key_is_validated():
     assert parse_embrace_config({"output": "vocab-parallel"}).output == "vocab-parallel"
     with pytest.raises(EmbraceConfigError, match="embrace.output"):
         parse_embrace_config({"output": "sometimes"})
+    # the output layer's table gradient computed behind the dense all-reduce unless turned off
+    assert parse_embrace_config({}).defer_output_grad is True
+    assert parse_embrace_config({"defer_output_grad": False}).defer_output_grad is False
+    with pytest.raises(EmbraceConfigError, match="defer_output_grad"):
+        parse_embrace_config({"defer_output_grad": "no"})
 
 
 def _train(data, tmp_path, output, port, trace=None):

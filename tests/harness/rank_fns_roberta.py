@@ -48,11 +48,13 @@ def _mean_over_ranks(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def masked_lm_step(rank: int, world: int, data: str, mode: str, empty_rank: int = -1,
-                   arch: str = "roberta", layout: str = "strided") -> Dict[str, Any]:
+                   arch: str = "roberta", layout: str = "strided", defer: bool = False) -> Dict[str, Any]:
     """One forward/backward of ``masked_lm`` on each rank's own batch (``empty_rank``'s has
     no masked token): the EmbRace model's loss, and its gradients averaged over ranks as
     data parallelism leaves them, against the stock model's, same initial weights. The
-    largest relative differences and the output layer's choice."""
+    largest relative differences and the output layer's choice. ``defer``: the table's
+    gradient from the output layer is computed at ``finish_pending`` (``owed``: the
+    gradients owed after the backward, and whether the bias had its gradient then)."""
     from embrace_fairseq.core.sharded_embedding import sharded_embeddings
     from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
 
@@ -66,6 +68,8 @@ def masked_lm_step(rank: int, world: int, data: str, mode: str, empty_rank: int 
     ours = task.build_model(cfg_o.model)
     criterion = task.build_criterion(cfg.criterion)
     configure(ours, criterion)
+    for emb in sharded_embeddings(ours):
+        emb.set_defer_output_grad(defer)
     pad, vocab = task.source_dictionary.pad(), len(task.source_dictionary)
     sample = masked_sample(vocab, pad, 3, 12, 0 if rank == empty_rank else 2 + rank, seed=rank)
     out = {}
@@ -75,6 +79,7 @@ def masked_lm_step(rank: int, world: int, data: str, mode: str, empty_rank: int 
         loss.backward()
         out[name] = (float(loss), int(sample_size))
     table = sharded_embeddings(ours)[0]
+    owed = (len(table.deferred_grads), ours.encoder.lm_head.bias.grad is not None)
     table.finish_pending()
     grads_s = dict(stock.named_parameters())
     worst, worst_name = 0.0, None
@@ -91,7 +96,7 @@ def masked_lm_step(rank: int, world: int, data: str, mode: str, empty_rank: int 
             worst, worst_name = rel, name
     head = ours.encoder.lm_head.output
     return {"loss": out, "grad_rel": worst, "worst": worst_name, "choice": head.chooser.last if head.chooser else "off",
-            "shard_rows": int(table.weight.shape[0])}
+            "shard_rows": int(table.weight.shape[0]), "owed": owed}
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -3,6 +3,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from embrace_fairseq.core.deferred_grad import DeferredGrads
 from embrace_fairseq.core.ledger import CommLedger
 from embrace_fairseq.core.shard_plan import ShardPlan
 from embrace_fairseq.core.vocab_parallel import (
@@ -40,7 +41,7 @@ def _reference(table, hidden, target, eps, scales, world):
     return out, W.grad / world
 
 
-def compare_with_full_table(rank, world, vocab, dim, counts, eps, layout="contiguous"):
+def compare_with_full_table(rank, world, vocab, dim, counts, eps, layout="contiguous", defer=False):
     counts = counts[:world]
     table, hidden, target = _data(world, vocab, dim, counts)
     scales = [1.0 + 0.5 * q for q in range(world)]  # a different upstream gradient per rank
@@ -54,12 +55,18 @@ def compare_with_full_table(rank, world, vocab, dim, counts, eps, layout="contig
     shard = torch.nn.Parameter(table[rows].clone())
     ledger = CommLedger()
     group = dist.group.WORLD if world > 1 else None
-    spec = VocabShardSpec(rows=rows, vocab_size=vocab, group=group, grad_scale=1.0 / world, ledgers=(ledger,))
+    deferred = DeferredGrads() if defer else None
+    spec = VocabShardSpec(rows=rows, vocab_size=vocab, group=group, grad_scale=1.0 / world, ledgers=(ledger,),
+                          deferred=deferred)
     h = hidden[rank].clone().requires_grad_(True)
     res = vocab_parallel_loss(h, shard, target[rank], spec, smoothing=bool(eps), accuracy=True)
     nll = res.nll.sum()
     loss = label_smoothed_loss(nll, res.smooth.sum(), eps, vocab) if eps else nll
     (loss * scales[rank]).backward()
+    # deferred: the backward left the table's gradient owed, and only that
+    owed = (len(deferred), shard.grad is None, h.grad is not None or not counts[rank]) if defer else None
+    if defer:
+        deferred.flush()
     mine = ref[rank]
     dh = h.grad if h.grad is not None else torch.zeros_like(h)
     return dict(
@@ -70,6 +77,7 @@ def compare_with_full_table(rank, world, vocab, dim, counts, eps, layout="contig
         correct=(int(res.n_correct), mine["correct"]),
         bytes=ledger.snapshot()["sent"],
         estimate=output_bytes(vocab, dim, counts, smoothing=bool(eps), accuracy=True).vocab_parallel_bytes,
+        owed=owed,
     )
 
 
@@ -84,10 +92,10 @@ def all_empty(rank, world, vocab, dim):
     return float(res.nll.sum()), int(res.n_correct)
 
 
-def compare_cases(rank, world, cases):
+def compare_cases(rank, world, cases, defer=False):
     """:func:`compare_with_full_table` for each ``(vocab, dim, counts, eps, layout)``, in one
     process group (spawning ranks costs more than the cases)."""
-    out = [compare_with_full_table(rank, world, *case) for case in cases]
+    out = [compare_with_full_table(rank, world, *case, defer=defer) for case in cases]
     if world > 1:
         out.append(all_empty(rank, world, 11, 4))
     return out

@@ -17,8 +17,8 @@ NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "
          "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1", "embrace_nogate", "embrace_gate",
          "embrace_node",
          "embrace_two_level", "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole",
-         "embrace_relaxed", "embrace_contiguous", "embrace_output_gather", "embrace_output_vocab_parallel",
-         "compute_floor")
+         "embrace_relaxed", "embrace_contiguous", "embrace_eager_output_grad", "embrace_output_gather",
+         "embrace_output_vocab_parallel", "compute_floor")
 FLOOR = "compute_floor"  # no communication: no bytes, step = compute
 # reduce-scatter the gradients, all-gather the parameters (EmbRace on ZeRO-1: the dense ones)
 ZERO = ("deepspeed_zero1", "deepspeed_zero2", "embrace_zero1")
@@ -36,7 +36,7 @@ def test_the_strategies_in_order():
                                       "embrace_nogate", "embrace_gate",
                                       "embrace_node", "embrace_two_level", "embrace_next_forward",
                                       "embrace_next_forward_gate", "embrace_next_forward_whole", "embrace_relaxed",
-                                      "embrace_contiguous", "embrace_output_gather",
+                                      "embrace_contiguous", "embrace_eager_output_grad", "embrace_output_gather",
                                       "embrace_output_vocab_parallel"]
     assert S.SPEEDUP_SUBJECT in NAMES and S.REFERENCE in NAMES
 

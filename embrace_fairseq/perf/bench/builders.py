@@ -367,6 +367,11 @@ def build_embrace_output_vocab_parallel(name: str, w: W.Workload, task: Any, dat
     return _embrace(name, w, task, data, True, trace_prefix, output="vocab-parallel" if w.ties_output else None)
 
 
+def build_embrace_eager_output_grad(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                                    trace_prefix: Optional[str] = None) -> Strategy:
+    return _embrace(name, w, task, data, {"defer_output_grad": False}, trace_prefix)
+
+
 def build_embrace_node(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                        trace_prefix: Optional[str] = None) -> Strategy:
     return _embrace(name, w, task, data, {"exchange": "node"}, trace_prefix)
