@@ -15,7 +15,7 @@
 #                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 8 min);
 #   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
 #                 strategies and EmbRace with the output layer's table gradient in its backward (the
-#                 deferral's ablation); 3 rounds x 1 step (about 13 and 7 min). XLM-R on 4 ranks does not fit:
+#                 deferral's ablation); 3 rounds x 1 step (about 11 and 7 min). XLM-R on 4 ranks does not fit:
 #                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
 #   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 9 min);
@@ -30,7 +30,7 @@
 #                 node-aware exchange and with the two-level all-reduce (about 2 min);
 #   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 6 min).
 # `MBART=1` adds the mBART workload on 2 pinned ranks (every baseline, both regimes) and its
-# schedule ablation in a100-100g (about 8 and 4 min with jemalloc; its first floor step is cold,
+# schedule ablation in a100-100g (about 10 and 4 min with jemalloc; its first floor step is cold,
 # about 24 s, then about 2.7 s).
 # The goals (results/bench/regime/goals.md) end with the simulator fitted once on the translation
 # model in v100-25g and every other workload of every folder predicted out of sample.

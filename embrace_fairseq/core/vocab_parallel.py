@@ -38,10 +38,9 @@ gradient and hands the table's gradient product (as large as ``Q``) to a
 finished (``ShardedEmbedding.finish_pending``, before the optimizer step). The layers below
 then run their backward, and their dense gradients go on the wire, one large product
 earlier; the product runs while the dense all-reduce is in flight instead of before
-it starts (Megatron-LM's ``--defer-embedding-wgrad-compute`` does the same for its
-output layer). Columns that are not the table's (``extra``: a replicated bias's rows)
-keep their gradient in the backward: they are dense parameters, all-reduced with the
-others.
+it starts (Megatron-LM defers its output layer's weight gradient the same way).
+Columns that are not the table's (``extra``: a replicated bias's rows) keep their
+gradient in the backward: they are dense parameters, all-reduced with the others.
 
 Volume per rank, elements: ``2 (N-1) T D`` for the activations against
 ``2 (N-1)/N V D`` for the table: it wins when all ranks' tokens ``N T`` are fewer
