@@ -18,7 +18,7 @@
 #                 deferral's ablation); 3 rounds x 1 step (about 11 and 7 min). XLM-R on 4 ranks does not fit:
 #                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
-#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 9 min);
+#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 10 min);
 #   ablation_w2   the schedule's parts on the translation model, 2 ranks pinned to a core each: no
 #                 overlap, FIFO overlap, the 2D schedule, + next-forward overlap, + relaxed embedding
 #                 dependency, and the floor; 3 rounds x 2 steps (about 1 min);
@@ -70,7 +70,8 @@ run_m2m_w2() { large_w2 m2m; }
 run_mbart_w2() { large_w2 mbart; }
 run_m2m_w4() {
   bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --timeout 4500 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/m2m_w4"
+        --timeout 4500 --strategies "$BASELINES,embrace_schedule,embrace_eager_output_grad,compute_floor" \
+        --out "$OUT/m2m_w4"
 }
 run_ablation_w2() {
   bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
