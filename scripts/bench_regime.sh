@@ -53,6 +53,7 @@ fi
 bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" --warmup 1 --allocator "${ALLOCATOR:-auto}" "$@"; }
 
 BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather
+LARGE=embrace_schedule,embrace_eager_output_grad  # EmbRace and the deferral's ablation
 ABLATION=embrace_noschedule,embrace_fifo,embrace_schedule,embrace_next_forward,embrace_relaxed
 LAYOUT_OUTPUT=embrace_contiguous,embrace_output_gather,embrace_output_vocab_parallel
 
@@ -63,15 +64,14 @@ run_w4() {
 large_w2() {
   bench --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
         --calibration-steps 2 --timeout 4500 \
-        --strategies "$BASELINES,embrace_schedule,embrace_eager_output_grad,compute_floor" --out "$OUT/$1_w2"
+        --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w2"
 }
 run_xlmr_w2() { large_w2 xlmr; }
 run_m2m_w2() { large_w2 m2m; }
 run_mbart_w2() { large_w2 mbart; }
 run_m2m_w4() {
   bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --timeout 4500 --strategies "$BASELINES,embrace_schedule,embrace_eager_output_grad,compute_floor" \
-        --out "$OUT/m2m_w4"
+        --timeout 4500 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/m2m_w4"
 }
 run_ablation_w2() {
   bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \

@@ -42,7 +42,3 @@ class DeferredGrads:
                 param.grad = grad
             else:
                 param.grad.add_(grad)
-
-    def drop(self) -> None:
-        """Forget what is owed (the step it belonged to is abandoned)."""
-        self._owed = []

@@ -60,6 +60,7 @@ class VocabParallelOutput:
     output_mode: str = GATHER
     chooser: Optional[OutputChooser] = None
     _counts_ahead: Optional[PrefetchedCounts] = None  # :meth:`prefetch_token_counts`
+    _told_deferred = False  # the log has said once that this layer's table gradient is deferred
 
     def output_table(self) -> ShardedEmbedding:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -177,8 +178,8 @@ class VocabParallelLogits:
         if table.relaxed is not None:
             table.relaxed.before_full_read(table)
         table.deferred_grads.flush()  # a previous backward's, not finished (accumulation)
-        if table.defer_output_grad and not getattr(table, "_told_deferred", False):
-            table._told_deferred = True
+        if table.defer_output_grad and not self.layer._told_deferred:
+            self.layer._told_deferred = True
             logger.info("EmbRace output layer: the table's gradient is computed after the backward, beside the "
                         "dense all-reduce (deferred)")
         spec = VocabShardSpec(

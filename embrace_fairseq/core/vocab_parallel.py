@@ -403,7 +403,7 @@ def _weight_grads(ctx, e: torch.Tensor, h_all: torch.Tensor, col: torch.Tensor, 
     grad_extra = None
     if want_extra:  # a dense parameter's: its all-reduce must not wait for the deferral
         grad_extra = weight_grad(e, h[:, d:], col, coef, g_n, g_s).mul_(spec.grad_scale).to(ctx.extra_dtype)
-    table_h = h[:, :d] if h.shape[1] != d else h
+    table_h = h[:, :d]
 
     def table_grad() -> torch.Tensor:
         return weight_grad(e, table_h, col, coef, g_n, g_s).mul_(spec.grad_scale).to(dtype)
