@@ -21,17 +21,19 @@
 #   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 10 min);
 #   ablation_w2   the schedule's parts on the translation model, 2 ranks pinned to a core each: no
 #                 overlap, FIFO overlap, the 2D schedule, + next-forward overlap, + relaxed embedding
-#                 dependency, and the floor; 3 rounds x 2 steps (about 1 min);
+#                 dependency, and the floor; 3 rounds x 4 steps (about 2 min: next-forward overlap
+#                 finishes its round's last step on the clock, so each round carries one step whose
+#                 communication nothing hides; more steps per round, less of it per step);
 #   ablation_w4   the same parts on 4 ranks, with the layout (contiguous shards) and the output rule
-#                 (--embrace-output gather, vocab-parallel; the default auto picks one per step)
-#                 (about 3 min);
+#                 (--embrace-output gather, vocab-parallel; the default auto picks one per step);
+#                 3 rounds x 3 steps (about 5 min);
 #   nodes_2x2     the translation model on 2 nodes of 2 ranks (one namespace per node: fast inside,
 #                 the regime's link between): c10d, the sparse all-gather, EmbRace flat, with the
 #                 node-aware exchange and with the two-level all-reduce (about 2 min);
 #   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 6 min).
 # `MBART=1` adds the mBART workload on 2 pinned ranks (every baseline, both regimes) and its
-# schedule ablation in a100-100g (about 10 and 4 min with jemalloc; its first floor step is cold,
-# about 24 s, then about 2.7 s).
+# schedule ablation in a100-100g, 3 rounds x 3 steps (about 10 and 10 min with jemalloc; its first
+# floor step is cold, about 24 s, then about 2.7 s).
 # The goals (results/bench/regime/goals.md) end with the simulator fitted once on the translation
 # model in v100-25g and every other workload of every folder predicted out of sample.
 set -euo pipefail
@@ -74,11 +76,11 @@ run_m2m_w4() {
         --timeout 4500 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/m2m_w4"
 }
 run_ablation_w2() {
-  bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+  bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-4}" \
         --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w2"
 }
 run_ablation_w4() {
-  bench --models translation --worlds 4 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+  bench --models translation --worlds 4 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-3}" \
         --strategies "$ABLATION,$LAYOUT_OUTPUT,compute_floor" --out "$OUT/ablation_w4"
 }
 run_nodes_2x2() {
@@ -92,7 +94,7 @@ run_xlmr_layout_w2() {
 }
 run_mbart_ablation_w2() {
   "$PY" -m embrace_fairseq.perf.bench --regime a100-100g --warmup 1 --allocator "${ALLOCATOR:-auto}" --models mbart \
-        --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-3}" --calibration-steps 2 \
         --timeout 4500 --strategies "$ABLATION,compute_floor" --out "$OUT/mbart_ablation_w2"
 }
 

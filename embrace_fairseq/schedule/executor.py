@@ -188,6 +188,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         # first reduced step, after which the static list is re-simulated
         opts = schedule.options
         self._measure_backward = opts.compute_bytes_per_s is None
+        self._link_configured = opts.link_bytes_per_s is not None
         self._link_rate = opts.link_bytes_per_s
         if self._link_rate is None:
             self._link_rate = rates.measure_link_bytes_per_s(opts.piece_bytes, group, device=self.device)
@@ -378,9 +379,39 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         compute = rates.backward_bytes_per_s(grad_bytes, seconds, self.group)
         self.schedule.resimulate(compute, self._link_rate)
         self.rates = (compute, self._link_rate)
-        logger.info("EmbRace 2D schedule: measured backward %.3g B/s, all-reduce %.3g B/s; static issue list "
-                    "re-simulated (%s)", compute, self._link_rate,
-                    "followed" if self.single_thread else "the live queue orders the pieces")
+        self._log_rates("measured backward")
+
+    def remeasure_link(self) -> None:
+        """The link changed since start-up: measure it again and re-simulate the static
+        list with it (and the backward rate, once measured). For jobs whose links change
+        under them, as the benchmark's emulated links between rounds; a list simulated
+        for another link orders the pieces for that link (for a link a hundred times
+        faster: plain readiness order). Collective, with no step in flight; nothing where
+        the configuration sets the link's rate.
+
+        Example::
+
+            reducer.remeasure_link()  # every rank, between steps, after the link changed
+        """
+        if self._link_configured:
+            return
+        if self._deferred:
+            raise RuntimeError("remeasure_link() with a step's all-reduce still running: drain it first")
+        self._link_rate = rates.measure_link_bytes_per_s(self.schedule.options.piece_bytes, self.group,
+                                                         device=self.device)
+        if self._measure_backward:  # the first reduced step simulates the list with it
+            self.rates = (self.rates[0], self._link_rate)
+            return
+        self.schedule.resimulate(self.rates[0], self._link_rate)
+        self.rates = (self.rates[0], self._link_rate)
+        self._log_rates("link re-measured; backward")
+
+    def _log_rates(self, what: str) -> None:
+        logger.info("EmbRace 2D schedule: %s %.3g B/s, all-reduce %.3g B/s; static issue list re-simulated (%s)",
+                    what, self.rates[0], self.rates[1],
+                    "followed from the autograd thread" if self.single_thread
+                    else "the live queue orders the pieces" if self.live_queue
+                    else "followed by the communication thread")
 
 
     @torch.no_grad()

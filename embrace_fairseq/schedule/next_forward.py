@@ -17,9 +17,15 @@ overlap with backward only).
 
 Which module reads which parameter: each element of an ``nn.ModuleList`` (a model's
 layers) is taken to read only the parameters in its own subtree in its forward, as
-fairseq's, Megatron's and Hugging Face's layers do; every other parameter (positional
-embeddings, final layer norms, output layers) is completed before the model's forward
-starts. :meth:`NextForwardUpdates.flush` completes everything (every rank, before the next
+fairseq's, Megatron's and Hugging Face's layers do. Outside the layers, a parameter
+owned only by layer norms and embeddings (learned positions, ``layernorm_embedding``, a
+pre-norm model's final ``layer_norm``) is completed when its owner's forward starts:
+these modules read their own weights and no one else's, and parents call them rather
+than read their weights. Without that, the final layer norm of a pre-norm decoder (in
+the bucket the model level sends last) held back the whole next forward at its start.
+Every other parameter (a head's own weights, a projection whose weight a parent may read
+directly, as attention's fast path reads its projections') is completed before the
+model's forward starts. :meth:`NextForwardUpdates.flush` completes everything (every rank, before the next
 backward); :meth:`NextForwardUpdates.complete` does it on one rank alone (a checkpoint
 writer reading the weights).
 """
@@ -36,16 +42,23 @@ from embrace_fairseq.schedule.executor import ScheduledAllReduce
 Update = Callable[[List[torch.nn.Parameter]], None]
 
 
+#: modules whose forward reads their own parameters and whose weights no parent reads
+#: directly (a parameter owned only by these is completed at its owner's forward)
+OWN_FORWARD_MODULES = (torch.nn.LayerNorm, torch.nn.Embedding)
+
+
 def layer_buckets(module: torch.nn.Module, reducer: ScheduledAllReduce) -> Dict[torch.nn.Module, List[int]]:
     """{module to hook: the buckets its forward needs}: every ``ModuleList`` element
-    (its subtree's parameters) and the root (every other reduced parameter), in bucket
-    priority order. Modules without reduced parameters are left out."""
+    (its subtree's parameters), every layer norm or embedding outside them (its own
+    parameters, at each of its owners: tied weights wait where they are first read), and
+    the root (every other reduced parameter), each in bucket priority order. Modules
+    without reduced parameters are left out."""
     bucket_of = {}
     for b in reducer.schedule.buckets:
         for t in b.tensors:
             bucket_of[id(reducer.params[t])] = b.index
     covered: Set[int] = set()
-    hooks: Dict[torch.nn.Module, List[int]] = {}
+    hooks: Dict[torch.nn.Module, Set[int]] = {}
     for sub in module.modules():
         if not isinstance(sub, torch.nn.ModuleList):
             continue
@@ -53,10 +66,24 @@ def layer_buckets(module: torch.nn.Module, reducer: ScheduledAllReduce) -> Dict[
             ids = [id(p) for p in layer.parameters() if id(p) in bucket_of and id(p) not in covered]
             if ids:
                 covered.update(ids)
-                hooks[layer] = sorted({bucket_of[i] for i in ids})
-    rest = sorted({b for i, b in bucket_of.items() if i not in covered})
+                hooks.setdefault(layer, set()).update(bucket_of[i] for i in ids)
+    owners: Dict[int, List[torch.nn.Module]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            if id(p) in bucket_of and id(p) not in covered:
+                owners.setdefault(id(p), []).append(sub)
+    rest: Set[int] = set()
+    for i, b in bucket_of.items():
+        if i in covered:
+            continue
+        mods = owners.get(i, [])
+        if mods and all(isinstance(m, OWN_FORWARD_MODULES) for m in mods):
+            for m in mods:
+                hooks.setdefault(m, set()).add(b)
+        else:
+            rest.add(b)
     if rest:
-        hooks = {module: rest, **hooks}
+        hooks[module] = hooks.get(module, set()) | rest
     return {m: sorted(bs, key=_urgency(reducer)) for m, bs in hooks.items()}
 
 

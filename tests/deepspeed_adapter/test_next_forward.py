@@ -1,8 +1,8 @@
 """Cross-iteration overlap under the DeepSpeed hook (``"next_forward": true``), in real
 gloo ranks: the step leaves the dense all-reduce running and each layer is updated when
 the next forward reaches it; training equals stock DeepSpeed (2 and 3 ranks, tied and
-untied) and the same EmbRace model without it (fairseq's tied Transformer, an AdamW whose
-learning rate changes every step); with gradient clipping it falls back."""
+untied) and the same EmbRace model without it (fairseq's tied Transformer shaped as BART,
+an AdamW whose learning rate changes every step); with gradient clipping it falls back."""
 import os
 
 import pytest
@@ -51,9 +51,13 @@ def test_transformer_layers_are_updated_inside_the_next_forward():
         assert R.D.rel_diff(got["losses"], ref["losses"]) < RTOL, (rank, got["losses"], ref["losses"])
         for name in ref["state"]:
             assert R.D.rel_diff(got["state"][name], ref["state"][name]) < RTOL, (rank, name)
-        # every encoder and decoder layer is hooked; the rest is completed at the model's start
+        # every encoder and decoder layer is hooked, and so is every layer norm and learned
+        # position table outside them (BART's); nothing is left for the model's start
         hooked = set(got["layers"])
         assert {f"encoder.layers.{i}" for i in range(3)} <= hooked and "decoder.layers.0" in hooked, hooked
+        outside = {f"{side}.{m}" for side in ("encoder", "decoder")
+                   for m in ("layer_norm", "layernorm_embedding", "embed_positions")}
+        assert outside <= hooked and "" not in hooked, hooked
         # from the second forward on, updates happen inside the forward (not at its start only)
         assert got["in_forward"][0] == 0 and all(k > 0 for k in got["in_forward"][1:]), got["in_forward"]
         forwards = sorted(e["ts"] for e in got["events"] if e["name"] == "forward")

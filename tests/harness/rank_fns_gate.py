@@ -24,7 +24,7 @@ VOCAB, STEPS, BATCH, SRC_LEN, TGT_LEN = 60, 4, 8, 24, 8
 EXCHANGES = {"joint": 1, "separate": 2}
 
 
-def _tied_translation_model(variant: str):
+def _tied_translation_model(variant: str, **arch: Any):
     from fairseq.data import Dictionary
     from fairseq.models.transformer import base_architecture
 
@@ -36,7 +36,7 @@ def _tied_translation_model(variant: str):
     args = argparse.Namespace(
         share_all_embeddings=True, encoder_layers=3, decoder_layers=1, encoder_embed_dim=32, decoder_embed_dim=32,
         encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=2, decoder_attention_heads=2,
-        dropout=0.0, attention_dropout=0.0, max_source_positions=64, max_target_positions=64)
+        dropout=0.0, attention_dropout=0.0, max_source_positions=64, max_target_positions=64, **arch)
     base_architecture(args)
     task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
     torch.manual_seed(7)

@@ -3,8 +3,10 @@
 ``tiny``: the small LM of the hook's equivalence tests, stock DeepSpeed against EmbRace
 with ``"next_forward": true`` (no clipping, so it applies), and with clipping on (where
 it must fall back). ``transformer``: fairseq's tied translation Transformer
-(``embrace_transformer``, layers in module lists) with and without it: same losses and
-weights, and the dense updates done inside the next forward, layer by layer.
+(``embrace_transformer``, layers in module lists) shaped as BART is (pre-norm with final
+layer norms, learned positions, a layer norm on the embeddings) with and without it: same
+losses and weights, and the dense updates done inside the next forward, layer by layer,
+the layer norms and positions outside the layers at their own modules.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ import rank_fns_deepspeed as D
 import rank_fns_gate as G
 
 STEPS = 6
+#: what BART adds to the Transformer outside its layers: each a module of its own
+BART_LIKE = dict(encoder_normalize_before=True, decoder_normalize_before=True, layernorm_embedding=True,
+                 encoder_learned_pos=True, decoder_learned_pos=True)
 PIECES = dict(D.PIECES)
 
 
@@ -44,7 +49,7 @@ def transformer(rank: int, world: int) -> Dict[str, Any]:
 def _train_transformer(next_forward: bool) -> Dict[str, Any]:
     from embrace_fairseq.deepspeed_adapter import initialize
 
-    model, d = G._tied_translation_model("joint")
+    model, d = G._tied_translation_model("joint", **BART_LIKE)
     cfg = {"train_micro_batch_size_per_gpu": G.BATCH, "steps_per_print": 10**9, "gradient_clipping": 0.0,
            "embrace": {"bucket_bytes": 8192, "piece_bytes": 4096, "next_forward": next_forward, "trace": None}}
     engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)

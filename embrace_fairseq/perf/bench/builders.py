@@ -86,6 +86,16 @@ class Strategy:
         self.steps_done += 1
         return loss
 
+    def link_changed(self) -> None:
+        """The bench reshaped the links: the 2D schedule's static list, simulated for the
+        link its reducer measured at start-up, is simulated again for this one, as a job
+        started on it would have it (collective; after :meth:`settle`, untimed)."""
+        reducer = getattr(self.hook, "reducer", None)
+        if reducer is not None:
+            self.settle()
+            reducer.remeasure_link()
+            self.hook.tracer.clear()  # untimed: no timed step's trace holds it
+
     def settle(self) -> None:
         """Finish work a step left running into the next forward (cross-iteration
         overlap): the bench calls it, timed, before another strategy runs, so that

@@ -94,6 +94,13 @@ def _set_link(spec: Dict[str, Any], link: Any, rank: int, world: int, initial: b
     dist.barrier()
 
 
+def _links_changed(built: Dict[str, Any]) -> None:
+    """Every strategy learns the new link as a job started on it would (untimed; the
+    same order on every rank: the collectives pair)."""
+    for s in built.values():
+        s.link_changed()
+
+
 def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any, rank: int, counter: Any,
                  ledger: Any, tx_path: str) -> None:
     """``steps_per_round`` timed steps of one strategy, each after a barrier; its bytes."""
@@ -219,6 +226,7 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
         calibration[:] = _calibrate(spec, built, batches, rank, world, counter)
         links = [LinkSpec(gbit=c["gbit"], latency_ms=c["latency_ms"], regime=c["regime"]) for c in calibration]
         _set_link(spec, links[0], rank, world)
+        _links_changed(built)
     names = list(spec["strategies"])
     per = {(li, n): _record() for li in range(len(links)) for n in names}
     load: Dict[int, List[float]] = {li: [] for li in range(len(links))}
@@ -227,6 +235,7 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
         for li in _rotated(list(range(len(links))), r):
             if li != current:
                 _set_link(spec, links[li], rank, world)
+                _links_changed(built)
                 current = li
             _log(rank, f"round {r + 1}/{spec['rounds']}, link {links[li].label()} (peak RSS {_peak_rss_mb():.0f} MB)")
             for name in _rotated(names, r):
