@@ -21,8 +21,9 @@ fairseq's, Megatron's and Hugging Face's layers do. Outside the layers, a parame
 owned only by layer norms and embeddings (learned positions, ``layernorm_embedding``, a
 pre-norm model's final ``layer_norm``) is completed when its owner's forward starts:
 these modules read their own weights and no one else's, and parents call them rather
-than read their weights. Without that, the final layer norm of a pre-norm decoder (in
-the bucket the model level sends last) held back the whole next forward at its start.
+than read their weights. Without that, a BART-shaped model's encoder waited at the
+forward's start for the buckets of the decoder's positions and layer norms, which the
+model level sends after the encoder's.
 Every other parameter (a head's own weights, a projection whose weight a parent may read
 directly, as attention's fast path reads its projections') is completed before the
 model's forward starts. :meth:`NextForwardUpdates.flush` completes everything (every rank, before the next
