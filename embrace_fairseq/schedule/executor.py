@@ -399,11 +399,10 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             raise RuntimeError("remeasure_link() with a step's all-reduce still running: drain it first")
         self._link_rate = rates.measure_link_bytes_per_s(self.schedule.options.piece_bytes, self.group,
                                                          device=self.device)
-        if self._measure_backward:  # the first reduced step simulates the list with it
-            self.rates = (self.rates[0], self._link_rate)
-            return
-        self.schedule.resimulate(self.rates[0], self._link_rate)
         self.rates = (self.rates[0], self._link_rate)
+        if self._measure_backward:  # the first reduced step simulates the list with it
+            return
+        self.schedule.resimulate(*self.rates)
         self._log_rates("link re-measured; backward")
 
     def _log_rates(self, what: str) -> None:

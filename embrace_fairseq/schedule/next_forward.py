@@ -23,10 +23,10 @@ pre-norm model's final ``layer_norm``) is completed when its owner's forward sta
 these modules read their own weights and no one else's, and parents call them rather
 than read their weights. Without that, a BART-shaped model's encoder waited at the
 forward's start for the buckets of the decoder's positions and layer norms, which the
-model level sends after the encoder's.
-Every other parameter (a head's own weights, a projection whose weight a parent may read
-directly, as attention's fast path reads its projections') is completed before the
-model's forward starts. :meth:`NextForwardUpdates.flush` completes everything (every rank, before the next
+model level sends after the encoder's. Every other parameter (a head's own weights, a
+projection whose weight a parent may read directly, as attention's fast path reads its
+projections') is completed before the model's forward starts.
+:meth:`NextForwardUpdates.flush` completes everything (every rank, before the next
 backward); :meth:`NextForwardUpdates.complete` does it on one rank alone (a checkpoint
 writer reading the weights).
 """
