@@ -48,6 +48,13 @@ def _native_extension():
         return [], {}
 
     cxx = ["-O3", "-g0", "-ffp-contract=off", f"-DEMBRACE_NATIVE_SOURCE_HASH={native_source_hash()}"]
+    # Keep what static archives bring into the extension private to it. A toolchain that
+    # links libstdc++ statically (some CUDA images' compilers do) otherwise exports its
+    # copy: with Python's -Bsymbolic-functions the copy's functions bind to themselves but
+    # its data (locale, facet ids) to torch's shared libstdc++, and the first formatted
+    # error message (c10::str's ostringstream) crashed the process. A shared libstdc++
+    # is not affected: the flag reaches static archives only.
+    link = ["-Wl,--exclude-libs,ALL"] if sys.platform.startswith("linux") else []
     sources = ["csrc/embrace_native.cpp"]
     with_cuda = (
         torch.version.cuda is not None
@@ -60,9 +67,11 @@ def _native_extension():
             sources + ["csrc/embrace_native_cuda.cu"],
             define_macros=[("EMBRACE_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+            extra_link_args=link,
         )
     else:
-        ext = cpp_extension.CppExtension("embrace_fairseq._native", sources, extra_compile_args={"cxx": cxx})
+        ext = cpp_extension.CppExtension("embrace_fairseq._native", sources, extra_compile_args={"cxx": cxx},
+                                         extra_link_args=link)
 
     class OptionalBuildExtension(cpp_extension.BuildExtension):
         """A failed native build (no compiler, bad toolchain) must not fail the install."""

@@ -62,6 +62,8 @@ def _env(cpu: bool) -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["EMBRACE_FORCE_EXCHANGE"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash in native code still names the Python line in the check's log
+    env["PYTHONUNBUFFERED"] = "1"  # and what the check printed before it
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     if cpu:
@@ -152,11 +154,26 @@ def _write_summary(out: Path, cpu: bool, started: float, results: List[Dict[str,
     return summary
 
 
+def _commit() -> str:
+    """The commit the checks ran on: git's, else EMBRACE_COMMIT (a copy of the tree
+    without its .git, as a machine lent for the run receives)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("EMBRACE_COMMIT", "unknown")
+
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> Dict[str, Any]:
     import torch
 
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    env = {"commit": _commit(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpus": torch.cuda.device_count()}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

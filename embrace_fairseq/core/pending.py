@@ -33,10 +33,13 @@ _CLOCK_ANCHORS: dict = {}  # device -> (event, host time when it completed, us)
 def _clock_anchor(device: torch.device) -> Tuple[Any, float]:
     """An event on ``device`` and the host time it completed: the origin for turning a
     later event of the device into a time on :func:`time.perf_counter`'s clock. Taken
-    once per device (one synchronisation, on the first asynchronous collective)."""
+    once per device, on the first asynchronous collective, on a stream of its own: that
+    stream is idle, so the one synchronisation returns at once. On the caller's stream it
+    would wait for all the work queued there (a whole backward's kernels), stalling the
+    host once and placing the first collective's issue after that work."""
     if device not in _CLOCK_ANCHORS:
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(device))
+        ev.record(torch.cuda.Stream(device=device))
         ev.synchronize()
         _CLOCK_ANCHORS[device] = (ev, _now_us())
     return _CLOCK_ANCHORS[device]
