@@ -155,8 +155,10 @@ def _write_summary(out: Path, cpu: bool, started: float, results: List[Dict[str,
 
 
 def _commit() -> str:
-    """The commit the checks ran on: git's, else EMBRACE_COMMIT (a copy of the tree
-    without its .git, as a machine lent for the run receives)."""
+    """The commit the checks ran on: EMBRACE_COMMIT where set (a copy of the tree sent to
+    another machine may carry no .git, or an older one), else git's."""
+    if os.environ.get("EMBRACE_COMMIT"):
+        return os.environ["EMBRACE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if out.returncode == 0:
@@ -165,7 +167,7 @@ def _commit() -> str:
             return out.stdout.strip() + ("+changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("EMBRACE_COMMIT", "unknown")
+    return "unknown"
 
 
 @functools.lru_cache(maxsize=1)

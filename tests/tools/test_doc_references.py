@@ -38,7 +38,7 @@ def test_each_kind_of_broken_reference_is_named(tmp_path):
         "embrace-no-such-script DATA\n"
         "```\n\n"
         "`core/trace.hidden_share`, `core/nothere.py`, `results/bench/cited_run`, `results/bench/pooled.md`,\n"
-        "`results/x.{json,md}`, `--embrace-*` flags.\n")
+        "`results/x.{json,md}`, `--embrace-*` flags, `-Wl,--linker-only,ALL`.\n")
     got = {(p.kind, p.text) for p in D.check_page(page, root)}
     assert got == {
         ("link", "docs/GONE.md"),
