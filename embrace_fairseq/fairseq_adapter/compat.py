@@ -37,11 +37,16 @@ there too:
    ``--sample-break-mode eos`` (language-model sampling and scoring by sentence) and in
    bucketed ``LanguagePairDataset``; numpy 2 removed the module. A module holding only
    ``long = int`` is provided where numpy has none; numpy 1.x keeps its own.
+7. ``--bf16`` without ``torch_xla`` (:func:`_call_main`). fairseq's ``options.py`` turns on its
+   TPU mode (``--tpu``) with ``--bf16``; without ``torch_xla`` a distributed run stopped in
+   ``distributed_init`` on ``'NoneType' object has no attribute 'xrt_world_size'`` (seen on a
+   GPU). Now it stops before anything starts, naming the flag and what to use on GPUs.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -51,6 +56,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
+from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.core.process_group import free_port
 
 logger = logging.getLogger(__name__)
@@ -187,9 +193,24 @@ def _wrap_infer_init_method(orig: Callable, du: Any) -> Callable:
 # --------------------------------------------------------------------------- 2. spawn on CPU
 
 
+class TpuModeWithoutXlaError(UserError, ValueError):
+    """fairseq's TPU mode (``--tpu``, which ``--bf16`` implies) on a machine without torch_xla."""
+
+
+def _refuse_tpu_mode_without_xla(cfg: Any) -> None:
+    if not cfg.common.tpu or importlib.util.find_spec("torch_xla") is not None:
+        return
+    flag = "--bf16 turns on fairseq's TPU mode (--tpu)" if cfg.common.bf16 else "--tpu is fairseq's TPU mode"
+    raise TpuModeWithoutXlaError(
+        f"{flag}, and torch_xla is not installed: fairseq trains bf16 on TPUs only. On GPUs train "
+        "with --fp16 --memory-efficient-fp16, or in bf16 with DeepSpeed (embrace-ds-train and a "
+        "DeepSpeed config with \"bf16\")")
+
+
 def _wrap_call_main(orig: Callable, du: Any) -> Callable:
     @functools.wraps(orig)
     def _call_main(cfg: Any, main: Callable, **kwargs: Any) -> None:
+        _refuse_tpu_mode_without_xla(cfg)
         dt = cfg.distributed_training
         spawn_on_cpu = (
             _no_cuda()

@@ -329,6 +329,21 @@ def test_eval_tools_load_checkpoints(legacy_run: Dict[str, object], corpus: Path
     assert any(line.startswith("H-") for line in proc.stdout.splitlines())
 
 
+def test_bf16_without_torch_xla_is_named(tmp_path: Path) -> None:
+    """fairseq's --bf16 is its TPU mode: without torch_xla the job stops before it starts,
+    with one line naming the flag and what to use on GPUs (stock fairseq stopped inside
+    distributed_init on an AttributeError)."""
+    run = run_fairseq_tool(
+        "fairseq-train",
+        [str(tmp_path / "no-data-needed"), *TINY_TRANSFORMER, *COMMON, "--task", "translation", "--bf16",
+         "--memory-efficient-bf16", "--max-update", "1", "--save-dir", str(tmp_path / "ckpt")],
+        timeout=120,
+    )
+    assert run.returncode == 1, run.output[-3000:]
+    assert "TpuModeWithoutXlaError: --bf16 turns on fairseq's TPU mode (--tpu)" in run.output, run.output[-3000:]
+    assert "--fp16 --memory-efficient-fp16" in run.output and "Traceback" not in run.output
+
+
 def test_numpy_compat_long_for_token_blocks() -> None:
     """fairseq's TokenBlockDataset with --sample-break-mode eos (language-model sampling)
     reads numpy.compat.long, which numpy 2 removed; with the user dir it builds."""
