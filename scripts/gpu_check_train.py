@@ -1,4 +1,4 @@
-"""Training checks of ``scripts/gpu_check.py`` (one GPU): fairseq fp16/bf16 EmbRace vs stock,
+"""Training checks of ``scripts/gpu_check.py`` (one GPU): fairseq fp16 EmbRace vs stock,
 a memory-efficient fp16 resume, DeepSpeed fp16/bf16 ZeRO-1 EmbRace vs stock, fp16 ZeRO-1
 skipping a step with a non-finite shard gradient. Every run is
 a world of one on NCCL with the exchange forced on (``EMBRACE_FORCE_EXCHANGE=1``, set by
