@@ -41,6 +41,7 @@ from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from fairseq.optim.fp16_optimizer import _MemoryEfficientFP16OptimizerMixin
 from fairseq.trainer import Trainer
 
+from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.optim.grad_norm import combine_norms, sharded_sq_norm
 from embrace_fairseq.optim.optimizer_state import gather_sharded_state, to_local_state, with_full_state
 from embrace_fairseq.core.sharded_embedding import (
@@ -166,19 +167,24 @@ def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
     return opt
 
 
+class UnsupportedTrainingConfig(UserError, ValueError):
+    """A fairseq training flag, or a combination of them, that EmbRace cannot run."""
+
+
 def validate_training_config(cfg: Any, model: torch.nn.Module) -> None:
-    """Clear start-up errors for combinations that cannot work."""
+    """Clear start-up errors for combinations that cannot work (one line each, as user
+    errors are printed: :mod:`embrace_fairseq.guards.one_line_errors`)."""
     common = cfg.common
     if common.cpu and (common.fp16 or common.amp or common.memory_efficient_fp16):
         flag = "--amp" if common.amp else "--fp16"
-        raise ValueError(
+        raise UnsupportedTrainingConfig(
             f"{flag} needs a CUDA device: half-precision training is not supported on CPU (--cpu). "
             "Drop the flag, or train on GPU."
         )
     if _has_sharded_tables(model):
         backend = cfg.distributed_training.ddp_backend
         if backend not in ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp"):
-            raise ValueError(
+            raise UnsupportedTrainingConfig(
                 f"--ddp-backend {backend} is not supported with EmbRace architectures; "
                 "use legacy_ddp or c10d (the sharded tables do their own exchange)"
             )
@@ -186,9 +192,9 @@ def validate_training_config(cfg: Any, model: torch.nn.Module) -> None:
         # lose the marks that tell shards from replicated parameters; the
         # memory-efficient variants step the model's parameters themselves.
         if common.fp16 and not common.memory_efficient_fp16:
-            raise ValueError("--fp16 with EmbRace architectures needs --memory-efficient-fp16 as well")
+            raise UnsupportedTrainingConfig("--fp16 with EmbRace architectures needs --memory-efficient-fp16 as well")
         if common.bf16 and not common.memory_efficient_bf16:
-            raise ValueError("--bf16 with EmbRace architectures needs --memory-efficient-bf16 as well")
+            raise UnsupportedTrainingConfig("--bf16 with EmbRace architectures needs --memory-efficient-bf16 as well")
 
 
 def _trainer_init(original):
