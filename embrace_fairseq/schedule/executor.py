@@ -188,10 +188,11 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         # first reduced step, after which the static list is re-simulated
         opts = schedule.options
         self._measure_backward = opts.compute_bytes_per_s is None
+        # the configured rate, kept: resimulate() writes the rates it used into the options
         self._link_configured = opts.link_bytes_per_s is not None
         self._link_rate = opts.link_bytes_per_s
         if self._link_rate is None:
-            self._link_rate = rates.measure_link_bytes_per_s(opts.piece_bytes, group, device=self.device)
+            self._link_rate = self._measure_link()
         if not self._measure_backward and opts.link_bytes_per_s is None:
             schedule.resimulate(opts.compute_bytes_per_s, self._link_rate)
         #: (backward, link) bytes per second the static list was last simulated with
@@ -397,13 +398,15 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             return
         if self._deferred:
             raise RuntimeError("remeasure_link() with a step's all-reduce still running: drain it first")
-        self._link_rate = rates.measure_link_bytes_per_s(self.schedule.options.piece_bytes, self.group,
-                                                         device=self.device)
+        self._link_rate = self._measure_link()
         self.rates = (self.rates[0], self._link_rate)
         if self._measure_backward:  # the first reduced step simulates the list with it
             return
         self.schedule.resimulate(*self.rates)
         self._log_rates("link re-measured; backward")
+
+    def _measure_link(self) -> float:
+        return rates.measure_link_bytes_per_s(self.schedule.options.piece_bytes, self.group, device=self.device)
 
     def _log_rates(self, what: str) -> None:
         logger.info("EmbRace 2D schedule: %s %.3g B/s, all-reduce %.3g B/s; static issue list re-simulated (%s)",

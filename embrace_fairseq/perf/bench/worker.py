@@ -79,9 +79,12 @@ def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any) -> Dict
     return built
 
 
-def _set_link(spec: Dict[str, Any], link: Any, rank: int, world: int, initial: bool = False) -> None:
+def _set_link(spec: Dict[str, Any], link: Any, rank: int, world: int, initial: bool = False,
+              built: Optional[Dict[str, Any]] = None) -> None:
     """Rank 0 reshapes the links between barriers (``initial``: the link the cluster was
-    created with, nothing to change)."""
+    created with, nothing to change); then every strategy of ``built`` learns the new link
+    as a job started on it would (untimed; the same order on every rank: the collectives
+    pair)."""
     import torch.distributed as dist
 
     from embrace_fairseq.perf.bench.netem_cluster import Cluster, RankPlacement
@@ -92,12 +95,7 @@ def _set_link(spec: Dict[str, Any], link: Any, rank: int, world: int, initial: b
                     switch_ns=spec["cluster"]["switch_ns"], ranks_per_node=spec.get("ranks_per_node", 1))
         c.set_link(link)
     dist.barrier()
-
-
-def _links_changed(built: Dict[str, Any]) -> None:
-    """Every strategy learns the new link as a job started on it would (untimed; the
-    same order on every rank: the collectives pair)."""
-    for s in built.values():
+    for s in (built or {}).values():
         s.link_changed()
 
 
@@ -225,8 +223,7 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
     if spec.get("regimes"):  # the links come from the floor measured now
         calibration[:] = _calibrate(spec, built, batches, rank, world, counter)
         links = [LinkSpec(gbit=c["gbit"], latency_ms=c["latency_ms"], regime=c["regime"]) for c in calibration]
-        _set_link(spec, links[0], rank, world)
-        _links_changed(built)
+        _set_link(spec, links[0], rank, world, built=built)
     names = list(spec["strategies"])
     per = {(li, n): _record() for li in range(len(links)) for n in names}
     load: Dict[int, List[float]] = {li: [] for li in range(len(links))}
@@ -234,8 +231,7 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
     for r in range(spec["rounds"]):
         for li in _rotated(list(range(len(links))), r):
             if li != current:
-                _set_link(spec, links[li], rank, world)
-                _links_changed(built)
+                _set_link(spec, links[li], rank, world, built=built)
                 current = li
             _log(rank, f"round {r + 1}/{spec['rounds']}, link {links[li].label()} (peak RSS {_peak_rss_mb():.0f} MB)")
             for name in _rotated(names, r):
