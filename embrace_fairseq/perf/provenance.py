@@ -5,6 +5,7 @@ can be traced to the code that produced it (and one taken on a modified tree say
 """
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Dict, Optional, Union
@@ -26,8 +27,12 @@ def source_state(root: Path = REPO_ROOT) -> Dict[str, Union[str, bool, None]]:
     ``commit`` is None outside a git checkout (an installed package); ``dirty`` is then None too.
     Untracked files do not make a tree dirty (data lands there), nor do changes under
     ``results/`` (a run rewrites the results files the repository carries); changes to
-    other tracked files, staged or not, do.
+    other tracked files, staged or not, do. ``EMBRACE_COMMIT``, where set, is the commit
+    (``dirty`` False): a copy of the tree sent to another machine to be measured may carry
+    no ``.git``, or an older one, and the sender knows what it sent.
     """
+    if os.environ.get("EMBRACE_COMMIT"):
+        return {"commit": os.environ["EMBRACE_COMMIT"], "dirty": False}
     sha = _git(root, "rev-parse", "HEAD")
     if sha is None:
         return {"commit": None, "dirty": None}

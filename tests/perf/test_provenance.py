@@ -8,7 +8,8 @@ def _git(root, *args):
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
 
 
-def test_commit_and_dirty_flag(tmp_path):
+def test_commit_and_dirty_flag(tmp_path, monkeypatch):
+    monkeypatch.delenv("EMBRACE_COMMIT", raising=False)
     _git(tmp_path, "init", "-q")
     (tmp_path / "a.txt").write_text("one\n")
     _git(tmp_path, "add", "a.txt")
@@ -28,10 +29,16 @@ def test_commit_and_dirty_flag(tmp_path):
     assert source_state(tmp_path) == {"commit": head, "dirty": True}
 
 
-def test_outside_a_checkout(tmp_path):
+def test_outside_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("EMBRACE_COMMIT", raising=False)
     assert source_state(tmp_path / "nowhere") == {"commit": None, "dirty": None}
 
 
 def test_this_checkout_has_a_commit():
     state = source_state(REPO_ROOT)
     assert state["commit"] is None or len(state["commit"]) == 40
+
+
+def test_a_sent_tree_names_its_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBRACE_COMMIT", "0123abc")
+    assert source_state(tmp_path / "nowhere") == {"commit": "0123abc", "dirty": False}
