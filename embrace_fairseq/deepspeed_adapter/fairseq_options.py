@@ -74,7 +74,7 @@ def _check(json_value: Any, flag_value: Any, flag: str, key: str, argv: Sequence
 
 
 def apply_fairseq_options(
-    ds: Dict[str, Any], args: Any, argv: List[str], cpu: bool
+    ds: Dict[str, Any], args: Any, argv: List[str]
 ) -> Tuple[Dict[str, Any], Optional[Callable], Optional[Callable]]:
     """(DeepSpeed config, client optimizer factory or None, client LR scheduler factory or None)."""
     ds = copy.deepcopy(ds)
@@ -83,9 +83,12 @@ def apply_fairseq_options(
     name = getattr(args, "optimizer", None)
     if opt is None and name is not None:
         if name == "adam":
+            # torch's AdamW, not DeepSpeed's FusedAdam: that one is compiled on first use on
+            # every machine, and DeepSpeed 0.19.8's build stops where TORCH_CUDA_ARCH_LIST
+            # names an arch-specific target such as 9.0a (Hopper images set it so)
             ds["optimizer"] = {"type": "AdamW", "params": {
                 "lr": _lr(args), "betas": list(_betas(args)), "eps": float(args.adam_eps),
-                "weight_decay": float(args.weight_decay), **({"torch_adam": True} if cpu else {})}}
+                "weight_decay": float(args.weight_decay), "torch_adam": True}}
         elif name == "sgd":
             lr, momentum, wd = _lr(args), float(args.momentum), float(args.weight_decay)
             make_optimizer = lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=wd)  # noqa: E731

@@ -153,7 +153,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
     # fairseq's own --lr-scheduler sets the rate on DeepSpeed's optimizer (trainer.py)
     scheduler_flags = [a for a in raw_argv if a.split("=")[0] in ("--lr-scheduler", "--warmup-updates")]
     argv_for_mapping = [a for a in raw_argv if a not in scheduler_flags] if raw.get("scheduler") is None else raw_argv
-    ds_config, make_optimizer, _ = apply_fairseq_options(raw, args, argv_for_mapping, cpu)
+    ds_config, make_optimizer, _ = apply_fairseq_options(raw, args, argv_for_mapping)
     apply_update_freq(ds_config, args, raw_argv)
     apply_json_values(ds_config, args, raw_argv)
     if section is not None:

@@ -91,7 +91,7 @@ def test_fairseq_flags_map_to_deepspeed_and_conflicts_stop():
     args = argparse.Namespace(optimizer="adam", lr=[0.001], adam_betas="(0.9, 0.98)", adam_eps=1e-8, weight_decay=0.01,
                               lr_scheduler="inverse_sqrt", warmup_updates=4, warmup_init_lr=-1, clip_norm=0.1, momentum=0.0)
     argv = ["--optimizer", "adam", "--lr", "0.001", "--lr-scheduler", "inverse_sqrt", "--clip-norm", "0.1"]
-    ds, make_opt, make_sched = apply_fairseq_options({"train_micro_batch_size_per_gpu": 1}, args, argv, cpu=True)
+    ds, make_opt, make_sched = apply_fairseq_options({"train_micro_batch_size_per_gpu": 1}, args, argv)
     assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8,
                                                             "weight_decay": 0.01, "torch_adam": True}}
     assert ds["gradient_clipping"] == 0.1 and make_opt is None and make_sched is not None
@@ -99,10 +99,10 @@ def test_fairseq_flags_map_to_deepspeed_and_conflicts_stop():
     fn = lr_lambda("inverse_sqrt", 0.001, 4, -1)
     assert [round(fn(u), 6) for u in (0, 2, 4, 16)] == [0.0, 0.5, 1.0, 0.5]
     with pytest.raises(FairseqOptionConflict, match="--lr"):
-        apply_fairseq_options({"optimizer": {"type": "Adam", "params": {"lr": 0.01}}}, args, argv, cpu=True)
+        apply_fairseq_options({"optimizer": {"type": "Adam", "params": {"lr": 0.01}}}, args, argv)
     with pytest.raises(FairseqOptionConflict, match="--lr-scheduler"):
         apply_fairseq_options({"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "scheduler": {"type": "WarmupLR"}},
-                              args, argv, cpu=True)
+                              args, argv)
     sgd = argparse.Namespace(**dict(vars(args), optimizer="sgd", momentum=0.9))
-    ds, make_opt, _ = apply_fairseq_options({}, sgd, ["--optimizer", "sgd"], cpu=True)
+    ds, make_opt, _ = apply_fairseq_options({}, sgd, ["--optimizer", "sgd"])
     assert "optimizer" not in ds and isinstance(make_opt([torch.nn.Parameter(torch.zeros(1))]), torch.optim.SGD)
