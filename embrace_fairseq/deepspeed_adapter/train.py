@@ -125,6 +125,20 @@ def apply_json_values(ds_config: Dict[str, Any], args: Any, argv: List[str]) -> 
         args.clip_norm = float(ds_config["gradient_clipping"] or 0.0)
 
 
+def apply_buffer_dtype(ds_config: Dict[str, Any]) -> None:
+    """Under fp16/bf16, buffers take the parameters' dtype, as under fairseq's own ``--fp16``
+    (``model.half()``), unless the JSON's ``"data_types"`` says otherwise. DeepSpeed 0.19
+    casts the parameters only, and fairseq's modules assume buffers that follow the model:
+    the sinusoidal positions (a float buffer) added to half token embeddings make the
+    first layer's input float, and its half weights stop the step ("expected mat1 and mat2
+    to have the same dtype")."""
+    low = next((k for k in ("fp16", "bf16", "bfloat16") if (ds_config.get(k) or {}).get("enabled")), None)
+    if low is None:
+        return
+    data_types = ds_config.setdefault("data_types", {})
+    data_types.setdefault("buffer_dtype", "fp16" if low == "fp16" else "bf16")
+
+
 def prepare(argv: Optional[List[str]] = None) -> Any:
     """Parse fairseq's flags and the DeepSpeed config; returns (cfg, DeepSpeedSetup).
     Bad input stops here, before any rank starts."""
@@ -156,6 +170,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
     ds_config, make_optimizer, _ = apply_fairseq_options(raw, args, argv_for_mapping)
     apply_update_freq(ds_config, args, raw_argv)
     apply_json_values(ds_config, args, raw_argv)
+    apply_buffer_dtype(ds_config)
     if section is not None:
         ds_config["embrace"] = section
     from embrace_fairseq.deepspeed_adapter.config import check_supported

@@ -213,7 +213,9 @@ def _wrap_call_main(orig: Callable, du: Any) -> Callable:
         _refuse_tpu_mode_without_xla(cfg)
         dt = cfg.distributed_training
         spawn_on_cpu = (
-            _no_cuda()
+            # a CPU job: no GPU, or --cpu on a machine that has one (fairseq would spawn
+            # one process per GPU, and assert the world size fits them)
+            (_no_cuda() or cfg.common.cpu)
             and not cfg.common.tpu
             and dt.distributed_world_size > 1
             and not dt.distributed_no_spawn

@@ -86,17 +86,24 @@ def test_single_thread_switch(gloo1, monkeypatch):
 
 def test_bare_init_process_group_is_resolved(tmp_path):
     """A real ``init_process_group()`` without a backend: torch calls it "undefined" and
-    builds gloo for the CPU on this machine; collectives and new groups work."""
+    builds the accelerator's backend only: gloo on a CPU machine; NCCL on a GPU machine,
+    where a CPU tensor's collective is staged onto the current GPU and issued in one order
+    (the failing assumption "gloo here" was found running the suite on a GPU machine).
+    Collectives and new groups work."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    want = ("nccl", torch.device("cuda", 0)) if cuda else ("gloo", CPU)
     dist.init_process_group(init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
     try:
         assert C.backend_name() == "undefined"
-        assert C.backend_for(None, "cpu") == "gloo" and C.device_for(None, "cpu") == CPU
-        assert not C.issues_from_one_thread(None, "cpu")
+        assert (C.backend_for(None, "cpu"), C.device_for(None, "cpu")) == want
+        assert C.issues_from_one_thread(None, "cpu") == cuda
         assert C.all_reduce(torch.tensor([2.0])).tolist() == [2.0]
         g = C.new_group()
-        assert C.backend_for(g, "cpu") == "gloo"
+        assert C.backend_for(g, "cpu") == want[0]
         C.barrier()
     finally:
         dist.destroy_process_group()

@@ -272,7 +272,7 @@ def test_checkpoint_globals_load_with_weights_only() -> None:
 
 @pytest.mark.slow
 def test_cpu_spawn_without_torchrun(corpus: Path, tmp_path: Path) -> None:
-    """``--cpu --distributed-world-size 2`` without torchrun: fairseq's own spawn, on CPU."""
+X
     run = run_fairseq_tool(
         "fairseq-train",
         [str(corpus), *TINY_TRANSFORMER, *COMMON, "--max-update", "3",
