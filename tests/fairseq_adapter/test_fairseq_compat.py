@@ -272,7 +272,8 @@ def test_checkpoint_globals_load_with_weights_only() -> None:
 
 @pytest.mark.slow
 def test_cpu_spawn_without_torchrun(corpus: Path, tmp_path: Path) -> None:
-X
+    """``--cpu --distributed-world-size 2`` without torchrun: fairseq's own spawn, on CPU
+    (also on a GPU machine, where stock fairseq asserts the world size fits its GPUs)."""
     run = run_fairseq_tool(
         "fairseq-train",
         [str(corpus), *TINY_TRANSFORMER, *COMMON, "--max-update", "3",
