@@ -14,10 +14,13 @@ few steps in bf16 autocast with fused AdamW, and reports
   of their GPUs' datasheet peaks (:data:`DATASHEET_PEAK_TFLOPS`), so the two can be read
   side by side (a share measured on one GPU, not a V100's or an A100's own rate);
 * the optimizer step's time against the simulator's (32 bytes per parameter at the
-  memory rate), and the peak memory.
+  memory rate), and the peak memory;
+* each regime's assumed forward + backward for the model against the measured one
+  (:func:`compare_to_regimes`).
 
     python -m embrace_fairseq.perf.gpu_profile --out results/gpu/h200/compute_profile.json
     python -m embrace_fairseq.perf.gpu_profile --tiny --device cpu --out /tmp/p.json   # the machinery, anywhere
+    python -m embrace_fairseq.perf.gpu_profile --table results/gpu/h200/compute_profile.json
 
 ``--tiny`` shrinks every model to one layer a side of width 32 and a 500-row table (its
 counts are then not the released models', and no simulator count is set against them).
@@ -305,6 +308,45 @@ def regime_shares() -> Dict[str, Dict[str, float]]:
             for name, r in REGIMES.items()}
 
 
+def compare_to_regimes(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Each released model's forward + backward as each regime assumes it (the simulator's
+    FLOPs at the regime's rate) against the step measured here (in place; returns ``result``).
+
+    A GPU slower in every resource than the one measured (a V100 or an A100 against an
+    H200), running the same code on the same batch, cannot take less time: where the
+    measured step is longer than the assumed one (``measured_over_assumed`` above 1), the
+    regime takes the model's compute as shorter than any such GPU can make it, and so
+    overstates the share of the step that communication takes by at least that factor."""
+    for m in result["models"]:
+        if "simulator_flops" not in m:
+            continue
+        m["regimes"] = {}
+        for name, r in result["regimes"].items():
+            assumed = m["simulator_flops"] / (r["sustained_tflops"] * 1e12)
+            m["regimes"][name] = {"assumed_forward_backward_s": assumed,
+                                  "measured_over_assumed": m["forward_backward_s"]["median"] / assumed}
+    return result
+
+
+def markdown_table(result: Dict[str, Any]) -> str:
+    """The profile as the docs show it (one row per released model)."""
+    names = list(result["regimes"])
+    head = ["released model", "tokens per GPU", "counted / simulator's FLOPs", "forward + backward (ms)",
+            "TFLOP/s", "share of the matrix-product rate"]
+    head += [f"{n}: assumed (ms), measured / assumed" for n in names]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in result["models"]:
+        fb = m["forward_backward_s"]
+        cells = [m["real_model"], f"{m['tokens']:,}", f"{m.get('counted_over_simulator', float('nan')):.2f}x",
+                 f"{fb['median'] * 1e3:.1f} [{fb['low'] * 1e3:.1f}, {fb['high'] * 1e3:.1f}]",
+                 f"{m['sustained_tflops']:.1f}", f"{m['share_of_matmul'] * 100:.1f} %"]
+        for n in names:
+            r = m.get("regimes", {}).get(n)
+            cells.append(f"{r['assumed_forward_backward_s'] * 1e3:.1f}, {r['measured_over_assumed']:.2f}x" if r else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def run(names: Sequence[str], device: torch.device, tiny: bool, steps: int, warmup: int) -> Dict[str, Any]:
     from embrace_fairseq.perf.provenance import source_state
 
@@ -327,6 +369,7 @@ def run(names: Sequence[str], device: torch.device, tiny: bool, steps: int, warm
             m["counted_over_simulator"] = m["counted_flops"] / sim["train_flops"]
             m["simulator_optimizer_bytes"] = sim["optimizer_bytes"]
         result["models"].append(m)
+        compare_to_regimes(result)
         print(f"{name}: {m['counted_flops'] / 1e12:.2f} TFLOP counted"
               + (f" ({m['counted_over_simulator']:.2f}x the simulator's)" if not tiny else "")
               + f", forward+backward {m['forward_backward_s']['median'] * 1e3:.1f} ms, "
@@ -337,13 +380,20 @@ def run(names: Sequence[str], device: torch.device, tiny: bool, steps: int, warm
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    p.add_argument("--out", type=Path, help="the JSON to write")
+    p.add_argument("--table", type=Path, metavar="JSON",
+                   help="print a profile's table (with its comparison to the regimes) and exit")
     p.add_argument("--models", nargs="+", default=list(SPECS), choices=list(SPECS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="one small layer a side: the machinery, not the models")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args(argv)
+    if a.table is not None:
+        print(markdown_table(compare_to_regimes(json.loads(a.table.read_text()))))
+        return 0
+    if a.out is None:
+        p.error("--out is required (or --table JSON)")
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("embrace: error: --device cuda but no GPU is visible; use --device cpu --tiny", file=sys.stderr)

@@ -70,3 +70,18 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
         pytest.skip("a GPU is visible")
     assert G.main(["--device", "cuda", "--out", str(tmp_path / "p.json")]) == 2
     assert "no GPU is visible" in capsys.readouterr().err
+
+
+def test_regimes_assumed_step_against_the_measured_one():
+    """10 TFLOP of forward + backward: 1/3 s at v100-25g's 30 TFLOP/s, 1/12 s at a100-100g's
+    120; a measured 0.25 s is 0.75x the one and 3x the other."""
+    result = {"regimes": G.regime_shares(), "models": [
+        {"real_model": "m", "tokens": 1, "simulator_flops": 10e12, "counted_over_simulator": 1.0,
+         "forward_backward_s": {"median": 0.25, "low": 0.2, "high": 0.3}, "sustained_tflops": 40.0,
+         "share_of_matmul": 0.05}]}
+    m = G.compare_to_regimes(result)["models"][0]["regimes"]
+    assert m["v100-25g"]["assumed_forward_backward_s"] == pytest.approx(1 / 3)
+    assert m["v100-25g"]["measured_over_assumed"] == pytest.approx(0.75)
+    assert m["a100-100g"]["measured_over_assumed"] == pytest.approx(3.0)
+    table = G.markdown_table(result)
+    assert "| m | 1 | 1.00x | 250.0 [200.0, 300.0] | 40.0 | 5.0 % | 333.3, 0.75x | 83.3, 3.00x |" in table
