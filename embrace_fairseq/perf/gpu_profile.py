@@ -230,11 +230,11 @@ def counted_flops(built: SimpleNamespace, batch: Dict[str, Any], device: torch.d
 
 def _median_interval(xs: Sequence[float]) -> Dict[str, float]:
     """Median with a distribution-free 95 % interval (order statistics of the binomial)."""
-    s = sorted(xs)
+    s = sorted(xs)  # milliseconds
     n = len(s)
     half = 1.96 * math.sqrt(n) / 2
     lo, hi = max(0, int(math.floor(n / 2 - half))), min(n - 1, int(math.ceil(n / 2 + half)) - 1)
-    return {"median": statistics.median(s), "low": s[lo], "high": s[hi], "n": n}
+    return {"median": statistics.median(s), "low": s[lo], "high": s[hi], "n": n, "confidence": 0.95}
 
 
 def profile_model(spec: ModelSpec, device: torch.device, steps: int = 10, warmup: int = 3,
@@ -258,14 +258,14 @@ def profile_model(spec: ModelSpec, device: torch.device, steps: int = 10, warmup
             opt.step()
             opt.zero_grad(set_to_none=True)
         if i >= warmup:
-            fwd_bwd.append(t_fb.elapsed())
-            optim.append(t_opt.elapsed())
+            fwd_bwd.append(t_fb.elapsed() * 1e3)
+            optim.append(t_opt.elapsed() * 1e3)
     fb = _median_interval(fwd_bwd)
     out = {
         "real_model": spec.real_model, "arch": spec.arch, "vocab": spec.vocab, "objective": spec.objective,
         "batch": [spec.sequences, spec.length], "tokens": spec.tokens, "parameters": params,
-        "counted_flops": flops, "forward_backward_s": fb, "optimizer_s": _median_interval(optim),
-        "sustained_tflops": flops / fb["median"] / 1e12, "losses": losses, "autocast_bf16": autocast,
+        "counted_flops": flops, "forward_backward_ms": fb, "optimizer_ms": _median_interval(optim),
+        "sustained_tflops": flops / fb["median"] / 1e9, "losses": losses, "autocast_bf16": autocast,
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
     }
     del built, model, opt, batch
@@ -322,9 +322,9 @@ def compare_to_regimes(result: Dict[str, Any]) -> Dict[str, Any]:
             continue
         m["regimes"] = {}
         for name, r in result["regimes"].items():
-            assumed = m["simulator_flops"] / (r["sustained_tflops"] * 1e12)
-            m["regimes"][name] = {"assumed_forward_backward_s": assumed,
-                                  "measured_over_assumed": m["forward_backward_s"]["median"] / assumed}
+            assumed = m["simulator_flops"] / (r["sustained_tflops"] * 1e12) * 1e3
+            m["regimes"][name] = {"assumed_forward_backward_ms": assumed,
+                                  "measured_over_assumed": m["forward_backward_ms"]["median"] / assumed}
     return result
 
 
@@ -336,13 +336,13 @@ def markdown_table(result: Dict[str, Any]) -> str:
     head += [f"{n}: assumed (ms), measured / assumed" for n in names]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in result["models"]:
-        fb = m["forward_backward_s"]
+        fb = m["forward_backward_ms"]
         cells = [m["real_model"], f"{m['tokens']:,}", f"{m.get('counted_over_simulator', float('nan')):.2f}x",
-                 f"{fb['median'] * 1e3:.1f} [{fb['low'] * 1e3:.1f}, {fb['high'] * 1e3:.1f}]",
+                 f"{fb['median']:.1f} [{fb['low']:.1f}, {fb['high']:.1f}]",
                  f"{m['sustained_tflops']:.1f}", f"{m['share_of_matmul'] * 100:.1f} %"]
         for n in names:
             r = m.get("regimes", {}).get(n)
-            cells.append(f"{r['assumed_forward_backward_s'] * 1e3:.1f}, {r['measured_over_assumed']:.2f}x" if r else "-")
+            cells.append(f"{r['assumed_forward_backward_ms']:.1f}, {r['measured_over_assumed']:.2f}x" if r else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -372,9 +372,9 @@ def run(names: Sequence[str], device: torch.device, tiny: bool, steps: int, warm
         compare_to_regimes(result)
         print(f"{name}: {m['counted_flops'] / 1e12:.2f} TFLOP counted"
               + (f" ({m['counted_over_simulator']:.2f}x the simulator's)" if not tiny else "")
-              + f", forward+backward {m['forward_backward_s']['median'] * 1e3:.1f} ms, "
+              + f", forward+backward {m['forward_backward_ms']['median']:.1f} ms, "
               f"{m['sustained_tflops']:.1f} TFLOP/s ({m['share_of_matmul']:.0%} of the matrix-product rate), "
-              f"optimizer {m['optimizer_s']['median'] * 1e3:.1f} ms", flush=True)
+              f"optimizer {m['optimizer_ms']['median']:.1f} ms", flush=True)
     return result
 
 

@@ -54,8 +54,8 @@ def test_tiny_profile_of_every_model_on_cpu(tmp_path):
     assert "commit" in r and r["device"] == "cpu" and r["tiny"] is True
     assert [m["real_model"] for m in r["models"]] == list(G.SPECS)
     for m in r["models"]:
-        assert m["counted_flops"] > 0 and m["forward_backward_s"]["median"] > 0, m["real_model"]
-        assert m["forward_backward_s"]["n"] == 2 and len(m["losses"]) == 3
+        assert m["counted_flops"] > 0 and m["forward_backward_ms"]["median"] > 0, m["real_model"]
+        assert m["forward_backward_ms"]["n"] == 2 and len(m["losses"]) == 3
         assert all(math.isfinite(x) for x in m["losses"])
         assert "simulator_flops" not in m  # tiny models are not the released ones
     # the regimes' rates as shares of their GPUs' datasheet peaks
@@ -77,10 +77,10 @@ def test_regimes_assumed_step_against_the_measured_one():
     120; a measured 0.25 s is 0.75x the one and 3x the other."""
     result = {"regimes": G.regime_shares(), "models": [
         {"real_model": "m", "tokens": 1, "simulator_flops": 10e12, "counted_over_simulator": 1.0,
-         "forward_backward_s": {"median": 0.25, "low": 0.2, "high": 0.3}, "sustained_tflops": 40.0,
+         "forward_backward_ms": {"median": 250.0, "low": 200.0, "high": 300.0}, "sustained_tflops": 40.0,
          "share_of_matmul": 0.05}]}
     m = G.compare_to_regimes(result)["models"][0]["regimes"]
-    assert m["v100-25g"]["assumed_forward_backward_s"] == pytest.approx(1 / 3)
+    assert m["v100-25g"]["assumed_forward_backward_ms"] == pytest.approx(1e3 / 3)
     assert m["v100-25g"]["measured_over_assumed"] == pytest.approx(0.75)
     assert m["a100-100g"]["measured_over_assumed"] == pytest.approx(3.0)
     table = G.markdown_table(result)
