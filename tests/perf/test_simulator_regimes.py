@@ -241,3 +241,30 @@ def test_one_fit_across_results_folders_keeps_each_folders_shapes_and_calibratio
     a.pop("workload_shapes")
     (tmp_path / "A" / "bench.json").write_text(json.dumps(a))
     assert max(abs(r["rel_error"]) for r in simulator_across(dirs, ("A", "v100-25g"))["runs"]) > 1e-3
+
+
+def test_measured_compute_floor_stretches_compute_and_keeps_the_stated_figures(tmp_path):
+    """The one-bucket model's 3 ms of compute floored at 6 ms: c10d's step is 6 ms plus the
+    same all-reduce, its share of the floor's step halves, and each result keeps the
+    regime's own figures beside it; a floor below the model's compute changes nothing."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"tiny": False, "models": [
+        {"real_model": "tiny", "forward_backward_ms": {"median": 6.0, "low": 5.0, "high": 7.0}}]}))
+    floors = RP.measured_floors(profile)
+    assert floors == {"tiny": pytest.approx(0.006)}
+    models = {"tiny": RealModel("tiny", "a one-bucket model", _tiny)}
+    study = RP.regime_study(models=models, regimes={"tiny": TINY_REGIME}, worlds=(4,), topologies=TOPOLOGIES[:1],
+                            compute_floors=floors)
+    (row,) = study["models"]["tiny"]["results"]
+    comm = 2 * 3 * 1e-6 + 1.5 * 22_000 / 1e9
+    assert row["step_s"]["compute_floor"] == pytest.approx(0.006)
+    assert row["step_s"]["fairseq_c10d"] == pytest.approx(0.006 + comm, rel=1e-12)
+    assert row["as_stated"]["c10d_comm_over_floor"] == pytest.approx(2 * row["c10d_comm_over_floor"])
+    assert study["assumptions"]["compute_floor_s"] == floors
+    low = RP.regime_study(models=models, regimes={"tiny": TINY_REGIME}, worlds=(4,), topologies=TOPOLOGIES[:1],
+                          compute_floors={"tiny": 0.001})
+    assert low["models"]["tiny"]["results"][0]["step_s"] == RP.regime_study(
+        models=models, regimes={"tiny": TINY_REGIME}, worlds=(4,), topologies=TOPOLOGIES[:1])["models"]["tiny"][
+        "results"][0]["step_s"]
+    md = RP.markdown(dict(command="c", source={}, compute_floor_source=str(profile), **study))
+    assert "compute floored by a measured step" in md and "; stated " in md and "tiny 6.0 ms" in md

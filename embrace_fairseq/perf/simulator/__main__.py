@@ -4,8 +4,8 @@
 ``validate BENCH_JSON --out-of-sample [--fit-on MODEL:GBIT|MODEL:REGIME]``: knobs fitted on
 one model and link (a regime run's link is named by its regime), every other run predicted;
 ``paper [--out results/simulator/]``: 8 to 64 GPUs for the paper's models;
-``regimes [--out results/simulator/regime_projection]``: the released models in the
-compute-matched regimes at 16-64 GPUs;
+``regimes [--out results/simulator/regime_projection] [--compute-floor PROFILE_JSON]``: the
+released models in the compute-matched regimes at 16-64 GPUs (with a measured compute floor);
 ``measure``: time the stock translation Transformer on this CPU (a profile JSON).
 """
 from __future__ import annotations
@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("regimes", help="16-64 GPU projection of the released models in the compute-matched regimes")
     r.add_argument("--out", default="results/simulator/regime_projection",
                    help="path stem: writes STEM.json, STEM.md and STEM.png")
+    r.add_argument("--compute-floor", metavar="PROFILE_JSON",
+                   help="a gpu_profile result: each model's forward + backward at least as long as measured there")
+    r.add_argument("--worlds", default="16,32,64", type=lambda v: tuple(int(x) for x in v.split(",")),
+                   help="GPU counts, comma-separated (default 16,32,64; 4 is the benchmark's size)")
     m = sub.add_parser("measure", help="time the stock translation Transformer on this CPU (a profile JSON)")
     m.add_argument("--data", default="data/deen/bin")
     m.add_argument("--max-tokens", type=int, default=512)
@@ -208,7 +212,8 @@ def _regimes(a: argparse.Namespace) -> int:
     from embrace_fairseq.perf.simulator.regime_projection import write_projection
 
     paths, md = write_projection(Path(a.out), command="python -m embrace_fairseq.perf.simulator "
-                                 + " ".join(sys.argv[1:] if a.argv is None else a.argv))
+                                 + " ".join(sys.argv[1:] if a.argv is None else a.argv),
+                                 compute_floor=Path(a.compute_floor) if a.compute_floor else None, worlds=a.worlds)
     print(md)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

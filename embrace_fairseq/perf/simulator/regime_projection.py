@@ -9,22 +9,50 @@ the regime's rate per GPU (the regime as stated, the benchmark's calibration), a
 of 8*, eight GPUs behind one NIC of eight times the regime's rate (the same bandwidth per
 GPU off the node) with NVLink-class links inside. Compute, latency and fp16 wire bytes are
 the regime's (stated, not measured: :mod:`.regimes`). No benchmark is read.
+
+``--compute-floor PROFILE`` (a :mod:`embrace_fairseq.perf.gpu_profile` result) keeps each
+model's forward + backward at least as long as measured there: a GPU slower than the one
+measured, running the same code on the same batch, cannot be faster (:func:`floored`).
+Each result then also holds the regime's own figures (``as_stated``), side by side.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from embrace_fairseq.perf.simulator.network import Network
 from embrace_fairseq.perf.simulator.paper import AS_BUILT, TOPOLOGIES, Topology, projected, stock_baselines
 from embrace_fairseq.perf.simulator.predict import predict
-from embrace_fairseq.perf.simulator.profile import Options
+from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.simulator.real_models import REAL_MODELS, RealModel
 from embrace_fairseq.perf.simulator.regimes import C10D, FLOOR, REGIMES, Regime, regime_terms
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, get_strategy
 
 WORLDS = (16, 32, 64)
+
+
+def floored(profile: Profile, forward_backward_s: Optional[float]) -> Profile:
+    """``profile`` with its forward and backward stretched alike so that together they take
+    at least ``forward_backward_s`` (None: as it is). The optimizer step is left alone.
+
+    >>> p = Profile("p", vocab=10, dim=2, dense_layers=[("d", 4)], tokens_per_rank=1, forward_s=0.01,
+    ...             backward_s=0.02, optimizer_s=0.005)
+    >>> q = floored(p, 0.06)
+    >>> round(q.forward_s, 6), round(q.backward_s, 6), q.optimizer_s, floored(p, 0.01) is p
+    (0.02, 0.04, 0.005, True)
+    """
+    if forward_backward_s is None or forward_backward_s <= profile.forward_s + profile.backward_s:
+        return profile
+    k = forward_backward_s / (profile.forward_s + profile.backward_s)
+    return replace(profile, forward_s=profile.forward_s * k, backward_s=profile.backward_s * k)
+
+
+def measured_floors(path: Path) -> Dict[str, float]:
+    """Released model -> measured forward + backward seconds of a gpu_profile result."""
+    data = json.loads(Path(path).read_text())
+    return {m["real_model"]: m["forward_backward_ms"]["median"] / 1e3 for m in data["models"] if not data.get("tiny")}
 
 
 def regime_network(regime: Regime, topo: Topology) -> Network:
@@ -35,10 +63,10 @@ def regime_network(regime: Regime, topo: Topology) -> Network:
 
 
 def project(model: RealModel, regime: Regime, world: int, topo: Topology = TOPOLOGIES[0],
-            opts: Options = AS_BUILT) -> dict:
+            opts: Options = AS_BUILT, compute_floor_s: Optional[float] = None) -> dict:
     """One setting: :func:`.paper.projected`'s steps and speedups, c10d's communication
     seconds (the link's busy time) and its share of the floor's step."""
-    prof = model.profile(regime)
+    prof = floored(model.profile(regime), compute_floor_s)
     net = regime_network(regime, topo)
     row = projected(prof, world, net, opts)
     c10d_comm = predict(prof, C10D, world, net, opts).comm_s
@@ -49,8 +77,11 @@ def project(model: RealModel, regime: Regime, world: int, topo: Topology = TOPOL
 
 
 def regime_study(models: Optional[Dict[str, RealModel]] = None, regimes: Optional[Dict[str, Regime]] = None,
-                 worlds: Sequence[int] = WORLDS, topologies: Sequence[Topology] = TOPOLOGIES) -> dict:
-    """Every model, regime, topology and world size, as built."""
+                 worlds: Sequence[int] = WORLDS, topologies: Sequence[Topology] = TOPOLOGIES,
+                 compute_floors: Optional[Dict[str, float]] = None) -> dict:
+    """Every model, regime, topology and world size, as built; each model's forward +
+    backward at least ``compute_floors[name]`` seconds where given."""
+    floors = compute_floors or {}
     models = REAL_MODELS if models is None else models
     regimes = REGIMES if regimes is None else regimes
     out = {
@@ -70,13 +101,22 @@ def regime_study(models: Optional[Dict[str, RealModel]] = None, regimes: Optiona
         },
         "models": {},
     }
+    if floors:
+        out["assumptions"]["compute_floor_s"] = dict(floors)
     for name, model in models.items():
         results = []
         for regime in regimes.values():
-            ratio = {w: regime_terms(model.profile(regime), regime, w)["ratio"] for w in worlds}
+            prof = floored(model.profile(regime), floors.get(name))
+            ratio = {w: regime_terms(prof, regime, w)["ratio"] for w in worlds}
             for topo in topologies:
                 for w in worlds:
-                    results.append(dict(project(model, regime, w, topo), c10d_ratio_flat=ratio[w]))
+                    row = dict(project(model, regime, w, topo, compute_floor_s=floors.get(name)),
+                               c10d_ratio_flat=ratio[w])
+                    if floors:
+                        stated = project(model, regime, w, topo)
+                        row["as_stated"] = {k: stated[k] for k in ("speedup_over_best", "best_baseline",
+                                                                   "c10d_comm_over_floor")}
+                    results.append(row)
         out["models"][name] = {"description": model.description, "results": results}
     return out
 
@@ -100,7 +140,10 @@ def _headline(study: dict, topo: str, worlds: Sequence[int]) -> List[str]:
             cells = []
             for w in worlds:
                 (r,) = _select(study, name, regime=regime, topology=topo, world_size=w)
-                cells.append(f"{r['speedup_over_best']:.2f}x ({_short(r['best_baseline'])})")
+                cell = f"{r['speedup_over_best']:.2f}x ({_short(r['best_baseline'])})"
+                if "as_stated" in r:
+                    cell += f"; stated {r['as_stated']['speedup_over_best']:.2f}x"
+                cells.append(cell)
             L.append(f"| {name} | {regime} | " + " | ".join(cells) + " |")
     return L + [""]
 
@@ -131,12 +174,18 @@ def markdown(study: dict) -> str:
                         f"GPU, {1e6 * r['latency_s']:g} µs per message step, {r['wire_bytes']}-byte gradients"
                         for n, r in a["regimes"].items())
     src = study.get("source") or {}
-    L = ["# EmbRace in the compute-matched regimes, 16-64 GPUs (simulator)", "",
+    floored_by = " with each model's compute floored by a measured step" if a.get("compute_floor_s") else ""
+    span = f"{worlds[0]}-{worlds[-1]}" if len(worlds) > 1 else f"{worlds[0]}"
+    L = [f"# EmbRace in the compute-matched regimes, {span} GPUs (simulator){floored_by}", "",
          f"Written by `{study.get('command', 'python -m embrace_fairseq.perf.simulator regimes')}` at commit "
          f"{src.get('commit') or 'unknown'}{' (tree with changes)' if src.get('dirty') else ''}.", "",
          "Assumptions (stated, not measured):", "",
          f"* Regimes: {regimes}.",
          f"* Compute: {a['compute']}.",
+         *([f"* Measured floor: each model's forward + backward at least its step measured on one GPU "
+            f"({study.get('compute_floor_source', 'a gpu_profile result')}): "
+            + ", ".join(f"{n} {1e3 * v:.1f} ms" for n, v in a["compute_floor_s"].items()) + "."]
+           if a.get("compute_floor_s") else []),
          "* Topologies: **flat**, one NIC of the regime's rate per GPU; **nodes_of_8**, 8 GPUs behind one NIC of 8x "
          "the regime's rate, 1000 Gbit/s between the GPUs of a node, rings in node order.",
          f"* EmbRace (e) as built: {a['embrace']['shard_layout']} shards, {a['embrace']['bucket_bytes'] >> 20} MB "
@@ -149,7 +198,9 @@ def markdown(study: dict) -> str:
     L += _headline(study, "flat", worlds)
     for topo in [t for t in a["topologies"] if t != "flat"]:
         L += [f"## (e) over the fastest stock baseline, {topo}", ""] + _headline(study, topo, worlds)
-    L += ["Cells: the fastest stock baseline's step over (e)'s (above 1: (e) is faster).", "", "## Per world size", ""]
+    L += ["Cells: the fastest stock baseline's step over (e)'s (above 1: (e) is faster)"
+          + ("; \"stated\": the same without the measured floor." if a.get("compute_floor_s") else "."),
+          "", "## Per world size", ""]
     for topo in a["topologies"]:
         for w in worlds:
             L += _detail(study, topo, w)
@@ -183,13 +234,21 @@ def plot(study: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_projection(stem: Path, command: str) -> Tuple[List[Path], str]:
-    """``stem``.json, .md and .png of :func:`regime_study`, with the command and the commit."""
+def write_projection(stem: Path, command: str, compute_floor: Optional[Path] = None,
+                     worlds: Sequence[int] = WORLDS) -> Tuple[List[Path], str]:
+    """``stem``.json, .md and .png of :func:`regime_study`, with the command and the commit;
+    with ``compute_floor`` (a gpu_profile result), each model's measured step as its floor."""
     from embrace_fairseq.perf.provenance import source_state
 
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    study = dict(command=command, source=source_state(), **regime_study())
+    if compute_floor is None and tuple(worlds) == WORLDS:
+        study = dict(command=command, source=source_state(), **regime_study())
+    else:
+        floors = measured_floors(compute_floor) if compute_floor is not None else None
+        study = dict(command=command, source=source_state(), **regime_study(worlds=worlds, compute_floors=floors))
+        if compute_floor is not None:
+            study["compute_floor_source"] = str(compute_floor)
     paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     paths[0].write_text(json.dumps(study, indent=1))
     md = markdown(study)
