@@ -185,9 +185,11 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         #: agreement rounds of the last reduced step (live queue), for logs and tests
         self.agreement_rounds = 0
         # rates not set in the options are measured: the link now, backward at the
-        # first reduced step, after which the static list is re-simulated
+        # first reduced step and again at the WARM_STEP-th, each time re-simulating the list
         opts = schedule.options
         self._measure_backward = opts.compute_bytes_per_s is None
+        self._backward_measured = False  # the cold, first step's figure is in the list
+        self._backward_steps = 0  # reduced steps ended on this rank (the same on every rank)
         # the configured rate, kept: resimulate() writes the rates it used into the options
         self._link_configured = opts.link_bytes_per_s is not None
         self._link_rate = opts.link_bytes_per_s
@@ -365,22 +367,32 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         # at finish()/defer(): a point every rank reaches, hooks fired here or not
         self._device_backward()
         self._last_backward_s = self._backward_s
+        self._backward_steps += 1
+
+    #: the reduced step whose backward is measured again, warm: the first one is cold (on a
+    #: GPU its kernels load and cuBLAS builds its handles, which took an H200's first
+    #: backward of a small model seconds; on a CPU the allocator faults its pages in)
+    WARM_STEP = 3
 
     def measure_rates(self) -> None:
-        """After the first reduced step: its backward rate (the slowest rank's) and the
-        start-up link rate into the static list; nothing later or when both rates were
-        configured. Collective the first time: every rank calls it at the same point,
-        with no step in flight (:meth:`finish` does; a deferred step's caller after
-        :meth:`drain`)."""
+        """After the first reduced step, and again after the :attr:`WARM_STEP`-th: the
+        step's backward rate (the slowest rank's) and the link rate into the static list;
+        nothing else, or when both rates were configured. Collective when it measures:
+        every rank calls it at the same point, with no step in flight (:meth:`finish`
+        does; a deferred step's caller after :meth:`drain`)."""
         if not self._measure_backward or self._last_backward_s is False:
             return
-        self._measure_backward = False
+        if self._backward_measured and self._backward_steps < self.WARM_STEP:
+            return
+        warm = self._backward_measured
+        self._backward_measured = True
+        self._measure_backward = not warm
         seconds = self._last_backward_s
         grad_bytes = sum(t.nbytes for t in self.schedule.tensors)
         compute = rates.backward_bytes_per_s(grad_bytes, seconds, self.group)
         self.schedule.resimulate(compute, self._link_rate)
         self.rates = (compute, self._link_rate)
-        self._log_rates("measured backward")
+        self._log_rates(f"measured backward ({'warm, step ' + str(self._backward_steps) if warm else 'first step'})")
 
     def remeasure_link(self) -> None:
         """The link changed since start-up: measure it again and re-simulate the static
@@ -400,7 +412,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             raise RuntimeError("remeasure_link() with a step's all-reduce still running: drain it first")
         self._link_rate = self._measure_link()
         self.rates = (self.rates[0], self._link_rate)
-        if self._measure_backward:  # the first reduced step simulates the list with it
+        if not self._backward_measured and self._measure_backward:  # the first reduced step simulates with it
             return
         self.schedule.resimulate(*self.rates)
         self._log_rates("link re-measured; backward")

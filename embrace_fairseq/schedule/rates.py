@@ -9,7 +9,8 @@ for. Both are measured where they are not set in the configuration:
   the slowest rank's time (what every rank waits for);
 * backward: gradient bytes over the time from the first gradient hook to the end of the
   first reduced backward (device events on CUDA, not the host's enqueue times), the
-  slowest rank's rate.
+  slowest rank's rate; measured again, warm, at a later step (the executor's
+  ``WARM_STEP``), whose figure replaces the cold one.
 
 Every rank then holds the same reduced figures, so every rank re-simulates the same list.
 """
