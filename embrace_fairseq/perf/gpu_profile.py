@@ -131,17 +131,9 @@ def build(spec: ModelSpec) -> SimpleNamespace:
 
 
 def _criterion(spec: ModelSpec, task: Any):
-    if spec.objective == "masked_lm":
-        from fairseq.criterions.masked_lm import MaskedLmConfig, MaskedLmLoss
+    from embrace_fairseq.perf.bench.workloads import fairseq_criterion
 
-        return MaskedLmLoss(MaskedLmConfig(tpu=False), task)
-    if spec.objective == "adaptive_lm":
-        from fairseq.criterions.adaptive_loss import AdaptiveLoss
-
-        return AdaptiveLoss(task, sentence_avg=False)
-    from fairseq.criterions.cross_entropy import CrossEntropyCriterion
-
-    return CrossEntropyCriterion(task, sentence_avg=False)
+    return fairseq_criterion({"adaptive_lm": "adaptive_loss"}.get(spec.objective, spec.objective), task)
 
 
 def _zipf_ids(n: int, rows: int, generator: torch.Generator, s: float = 1.0) -> torch.Tensor:

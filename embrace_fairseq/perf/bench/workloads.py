@@ -485,18 +485,24 @@ def build_model(w: Workload, arch: str, task: Any, data: Path, seed: int = 1,
     return models.build_model(cfg.model, task)
 
 
-def build_criterion(w: Workload, task: Any):
-    if w.criterion == "masked_lm":
+def fairseq_criterion(name: str, task: Any):
+    """fairseq's criterion ``name`` (``"masked_lm"``, ``"adaptive_loss"``, else cross
+    entropy) over ``task``, token-averaged as fairseq-train builds it by default."""
+    if name == "masked_lm":
         from fairseq.criterions.masked_lm import MaskedLmConfig, MaskedLmLoss
 
         return MaskedLmLoss(MaskedLmConfig(tpu=False), task)
-    if w.criterion == "adaptive_loss":
+    if name == "adaptive_loss":
         from fairseq.criterions.adaptive_loss import AdaptiveLoss
 
         return AdaptiveLoss(task, sentence_avg=False)
     from fairseq.criterions.cross_entropy import CrossEntropyCriterion
 
     return CrossEntropyCriterion(task, sentence_avg=False)
+
+
+def build_criterion(w: Workload, task: Any):
+    return fairseq_criterion(w.criterion, task)
 
 
 def token_table_name(w: Workload) -> str:
