@@ -5,7 +5,7 @@ V100, 120 on an A100) and count a real model's step with the simulator's arithme
 (:mod:`.simulator.real_models`: 6 FLOPs per parameter per token, attention scores, the
 output layer). This tool checks both on the GPU at hand: it builds each released model
 with stock fairseq at its real dimensions and tokens per GPU (:data:`SPECS`), trains it a
-few steps in bf16 autocast with fused AdamW, and reports
+few steps in bf16 autocast with AdamW (fused on a GPU), and reports
 
 * the step's FLOPs as PyTorch counts them (``torch.utils.flop_counter``) against the
   simulator's count for the same model (is the arithmetic right?);
@@ -13,8 +13,8 @@ few steps in bf16 autocast with fused AdamW, and reports
   bf16 matrix-product rate and of its datasheet peak; the regimes' rates as the same share
   of their GPUs' datasheet peaks (:data:`DATASHEET_PEAK_TFLOPS`), so the two can be read
   side by side (a share measured on one GPU, not a V100's or an A100's own rate);
-* the optimizer step's time against the simulator's (32 bytes per parameter at the
-  memory rate), and the peak memory;
+* the optimizer step's time beside the bytes the simulator charges it (32 per parameter,
+  at the regime's memory rate), and the peak memory;
 * each regime's assumed forward + backward for the model against the measured one
   (:func:`compare_to_regimes`).
 

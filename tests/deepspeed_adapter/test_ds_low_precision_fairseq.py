@@ -49,6 +49,7 @@ def _bf16_config(tmp_path, embrace: bool) -> Path:
     return path
 
 
+@pytest.mark.slow  # two launcher runs of 2 DeepSpeed ranks each, about 36 s
 def test_bf16_transformer_trains_under_deepspeed_and_embrace_logs_stocks_losses(tmp_path):
     """2 gloo ranks, bf16 ZeRO-1 through scripts/ds_train_cpu.sh: the stock ``transformer``
     trains, and ``embrace_transformer`` logs its losses (bf16 rounding apart)."""
