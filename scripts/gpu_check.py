@@ -155,19 +155,11 @@ def _write_summary(out: Path, cpu: bool, started: float, results: List[Dict[str,
 
 
 def _commit() -> str:
-    """The commit the checks ran on: EMBRACE_COMMIT where set (a copy of the tree sent to
-    another machine may carry no .git, or an older one), else git's."""
-    if os.environ.get("EMBRACE_COMMIT"):
-        return os.environ["EMBRACE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
-            return out.stdout.strip() + ("+changes" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+    """The commit the checks ran on (``EMBRACE_COMMIT`` first: :func:`source_state`)."""
+    from embrace_fairseq.perf.provenance import source_state
+
+    state = source_state(ROOT)
+    return (state["commit"] or "unknown") + ("+changes" if state["dirty"] else "")
 
 
 @functools.lru_cache(maxsize=1)

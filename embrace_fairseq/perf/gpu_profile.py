@@ -33,7 +33,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
@@ -361,13 +361,12 @@ def run(names: Sequence[str], device: torch.device, tiny: bool, steps: int, warm
             m["counted_over_simulator"] = m["counted_flops"] / sim["train_flops"]
             m["simulator_optimizer_bytes"] = sim["optimizer_bytes"]
         result["models"].append(m)
-        compare_to_regimes(result)
         print(f"{name}: {m['counted_flops'] / 1e12:.2f} TFLOP counted"
               + (f" ({m['counted_over_simulator']:.2f}x the simulator's)" if not tiny else "")
               + f", forward+backward {m['forward_backward_ms']['median']:.1f} ms, "
               f"{m['sustained_tflops']:.1f} TFLOP/s ({m['share_of_matmul']:.0%} of the matrix-product rate), "
               f"optimizer {m['optimizer_ms']['median']:.1f} ms", flush=True)
-    return result
+    return compare_to_regimes(result)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -392,7 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     result = run(a.models, device, a.tiny, a.steps, a.warmup)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1, default=lambda o: asdict(o)) + "\n")
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
     return 0
 

@@ -187,21 +187,21 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         # rates not set in the options are measured: the link now, backward at the
         # first reduced step and again at the WARM_STEP-th, each time re-simulating the list
         opts = schedule.options
-        self._measure_backward = opts.compute_bytes_per_s is None
-        self._backward_measured = False  # the cold, first step's figure is in the list
+        #: the reduced step whose backward is measured next (None: none, or configured)
+        self._measure_backward_at: Optional[int] = 1 if opts.compute_bytes_per_s is None else None
         self._backward_steps = 0  # reduced steps ended on this rank (the same on every rank)
         # the configured rate, kept: resimulate() writes the rates it used into the options
         self._link_configured = opts.link_bytes_per_s is not None
         self._link_rate = opts.link_bytes_per_s
         if self._link_rate is None:
             self._link_rate = self._measure_link()
-        if not self._measure_backward and opts.link_bytes_per_s is None:
+        if self._measure_backward_at is None and opts.link_bytes_per_s is None:
             schedule.resimulate(opts.compute_bytes_per_s, self._link_rate)
         #: (backward, link) bytes per second the static list was last simulated with
         self.rates = (schedule.options.compute_rate, self._link_rate)
         # seconds from the first gradient hook to the end of the last reduced backward on
-        # this rank (None: no hook fired); False until a reduced step has run
-        self._last_backward_s: object = False
+        # this rank (None: no hook fired, or no reduced step yet: _backward_steps says which)
+        self._last_backward_s: Optional[float] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self._reset()
         if self.single_thread:
@@ -380,13 +380,11 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         nothing else, or when both rates were configured. Collective when it measures:
         every rank calls it at the same point, with no step in flight (:meth:`finish`
         does; a deferred step's caller after :meth:`drain`)."""
-        if not self._measure_backward or self._last_backward_s is False:
+        at = self._measure_backward_at
+        if at is None or self._backward_steps < at:
             return
-        if self._backward_measured and self._backward_steps < self.WARM_STEP:
-            return
-        warm = self._backward_measured
-        self._backward_measured = True
-        self._measure_backward = not warm
+        warm = at > 1
+        self._measure_backward_at = None if warm else self.WARM_STEP
         seconds = self._last_backward_s
         grad_bytes = sum(t.nbytes for t in self.schedule.tensors)
         compute = rates.backward_bytes_per_s(grad_bytes, seconds, self.group)
@@ -412,7 +410,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             raise RuntimeError("remeasure_link() with a step's all-reduce still running: drain it first")
         self._link_rate = self._measure_link()
         self.rates = (self.rates[0], self._link_rate)
-        if not self._backward_measured and self._measure_backward:  # the first reduced step simulates with it
+        if self._measure_backward_at == 1:  # the first reduced step simulates the list with it
             return
         self.schedule.resimulate(*self.rates)
         self._log_rates("link re-measured; backward")

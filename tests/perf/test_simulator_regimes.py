@@ -200,7 +200,7 @@ def test_projection_c10d_step_by_hand_on_a_one_bucket_model():
 def test_regimes_cli_writes_json_md_png_with_command_and_commit(tmp_path, monkeypatch):
     study = RP.regime_study(models={"tiny": RealModel("tiny", "a one-bucket model", _tiny)},
                             regimes={"tiny": TINY_REGIME}, worlds=(16, 32), topologies=TOPOLOGIES)
-    monkeypatch.setattr(RP, "regime_study", lambda: copy.deepcopy(study))
+    monkeypatch.setattr(RP, "regime_study", lambda **kw: copy.deepcopy(study))
     stem = tmp_path / "proj"
     assert simulator_cli.main(["regimes", "--out", str(stem)]) == 0
     data = json.loads((tmp_path / "proj.json").read_text())

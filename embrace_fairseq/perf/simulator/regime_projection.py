@@ -18,8 +18,8 @@ Each result then also holds the regime's own figures (``as_stated``), side by si
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from embrace_fairseq.perf.simulator.network import Network
@@ -242,13 +242,10 @@ def write_projection(stem: Path, command: str, compute_floor: Optional[Path] = N
 
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    if compute_floor is None and tuple(worlds) == WORLDS:
-        study = dict(command=command, source=source_state(), **regime_study())
-    else:
-        floors = measured_floors(compute_floor) if compute_floor is not None else None
-        study = dict(command=command, source=source_state(), **regime_study(worlds=worlds, compute_floors=floors))
-        if compute_floor is not None:
-            study["compute_floor_source"] = str(compute_floor)
+    floors = measured_floors(compute_floor) if compute_floor is not None else None
+    study = dict(command=command, source=source_state(), **regime_study(worlds=worlds, compute_floors=floors))
+    if compute_floor is not None:
+        study["compute_floor_source"] = str(compute_floor)
     paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     paths[0].write_text(json.dumps(study, indent=1))
     md = markdown(study)
