@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 # Tests import the multi-process harness (tests/harness) as top-level modules, and the
-# package from the checkout; spawned ranks inherit this sys.path, subprocesses get it
+# package from the checkout; local ranks take this sys.path (tools/local_ranks.py), subprocesses get it
 # through PYTHONPATH (harness/fairseq_corpus.py sets it for fairseq-train).
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

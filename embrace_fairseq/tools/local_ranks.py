@@ -1,9 +1,22 @@
 """Start N real ``torch.distributed`` ranks (gloo) as processes on this machine.
 
-Used by the tests, the demonstration and the benchmarks: each rank is a spawned
-process with its own interpreter, joined through a file store, so collectives are
-the real thing. Any rank failing, or the whole run exceeding its time budget, fails
-the call with every rank's error; no process is left behind.
+Used by the tests, the demonstration and the benchmarks: each rank is a process of
+its own, joined through a file store, so collectives are the real thing. Any rank
+failing, or the whole run exceeding its time budget, fails the call with every rank's
+error; no process is left behind.
+
+The ranks are forked from multiprocessing's fork server, which imports torch (and fairseq
+with a CPU-only torch) once, before its first fork (:func:`preload`): a spawned
+interpreter spends about 2 s of CPU importing torch and 4 s with fairseq, for every rank of
+every call, which on 2 cores was most of the test suite's time. No rank is forked from the
+caller, whose threads (and, on a GPU machine, CUDA context) a fork must not copy.
+
+multiprocessing gives a fork server child the caller's working folder and ``sys.path``,
+but the environment and standard streams of the server, which started at the first call;
+each rank therefore takes the caller's at the call (:class:`_CallerState`), as a spawned
+one would. What a process reads only as it starts (``LD_PRELOAD``, glibc's ``MALLOC_*``)
+is the server's: a rank that needs such a setting makes it itself (``mallopt``), or the
+caller starts its own processes.
 """
 from __future__ import annotations
 
@@ -11,20 +24,56 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
 from embrace_fairseq.core.process_group import free_port  # noqa: F401  (re-exported for callers)
 
 
+def preload() -> List[str]:
+    """The modules the fork server imports before its first fork (one that fails to import
+    is skipped there and imported by the rank that needs it). fairseq only with a torch
+    built without CUDA: importing it asks torch, and DeepSpeed, for the CUDA devices, which
+    initialises the CUDA driver, and a child forked after that cannot use CUDA."""
+    modules = ["torch", "torch.distributed", __name__]
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        modules.append("fairseq")
+    return modules
+
+
 class RanksFailed(RuntimeError):
     """One or more ranks raised, died or timed out."""
 
 
-def _rank_main(fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs):  # pragma: no cover - child
+def _adopt(environ: Dict[str, str], out: Any, err: Any) -> None:  # pragma: no cover - child
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
+class _CallerState:
+    """The caller's environment and file descriptors 1 and 2, taken over by the rank as
+    this object is unpickled there. It is the first of the rank's arguments, so it is
+    unpickled before ``fn``, whose module may read the environment at import;
+    multiprocessing hands the descriptors to the fork server's child as it does a Queue's
+    pipes."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _adopt, (self.environ, reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _rank_main(adopted, fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs):  # pragma: no cover - child
     import torch.distributed as dist
 
     from embrace_fairseq.guards import watchdog
@@ -80,15 +129,22 @@ def run_ranks(
     Returns the per-rank results in rank order. ``fn`` must be importable (a module
     level function) and its result picklable. With ``return_errors=True`` a failed
     rank's entry is an ``RanksFailed`` holding its traceback instead of raising.
+    Each rank sees the environment, working folder, ``sys.path`` and standard streams the
+    caller has now.
+
+    >>> from embrace_fairseq.tools import local_ranks
+    >>> local_ranks.run_ranks(local_ranks.world_of, 2)
+    [2, 2]
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    caller = _CallerState()
     result_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="embrace_ranks_") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, store, pg_timeout_s, result_q, args, kwargs),
+                args=(caller, fn, r, world_size, store, pg_timeout_s, result_q, args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
@@ -129,6 +185,21 @@ def run_ranks(
         lines += [f"rank {r}: {_no_result(procs[r], timeout_s)}" for r in missing]
         raise RanksFailed("\n".join(lines))
     return [results[r][1] for r in range(world_size)]
+
+
+def world_of(rank: int, world: int) -> int:
+    """The world size a rank was started in, after a barrier (a rank function for examples)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    return dist.get_world_size()
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    # takes effect when the server starts (the first call); later calls reuse it
+    ctx.set_forkserver_preload(preload())
+    return ctx
 
 
 def _no_result(proc: Any, timeout_s: float) -> str:

@@ -34,18 +34,8 @@ RSS_SLACK = VOCAB * DIM * FLOAT // 10
 
 
 @pytest.fixture(scope="module")
-def measured(monkeypatch_module):
-    # glibc otherwise keeps freed blocks above its (self-raising) mmap threshold in the heap,
-    # and resident memory would show what was freed as well as what is held
-    monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+def measured():
     return run_ranks(large_vocab_run, WORLD, VOCAB, DIM, timeout_s=300)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 def test_each_rank_holds_its_rows_of_table_gradient_and_adam_state(measured):

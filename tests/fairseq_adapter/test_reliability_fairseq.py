@@ -317,13 +317,19 @@ def uninterrupted(corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_equals_uninterrupted(corpus, uninterrupted, tmp_path, record_property):
-    """Exact resume: fairseq-train killed (SIGKILL, all processes) at update >= 10, resumed: same losses."""
-    full, _ = uninterrupted
+def test_killed_and_resumed_equals_uninterrupted(corpus, tmp_path, record_property):
+    """Exact resume: fairseq-train killed (SIGKILL, all processes) at update >= 10, resumed: same losses.
+
+    All 16 updates lie in one epoch (``--max-tokens 60``; 120 makes 12-update epochs): stock
+    fairseq 0.12 resumed from an end-of-epoch checkpoint does not retrace the uninterrupted
+    run (``transformer`` and ``embrace_transformer`` alike, the same losses either way;
+    docs/LIMITATIONS.md), so a kill after update 12 would compare fairseq's epoch start,
+    not EmbRace's checkpoint."""
+    one_epoch = ["--max-tokens", "60", "--save-interval-updates", "4", "--disable-validation"]
+    full = _train(corpus, tmp_path / "full", 2, 16, one_epoch)
     save = tmp_path / "ckpt"
     args = [str(corpus), "--task", "translation", *TINY, "--max-update", "16", "--save-dir", str(save),
-            "--save-interval-updates", "4", "--disable-validation", "--user-dir", str(ROOT / "user_dir"),
-            "--log-format", "json", "--log-interval", "1"]
+            *one_epoch, "--user-dir", str(ROOT / "user_dir"), "--log-format", "json", "--log-interval", "1"]
     log = tmp_path / "killed.log"
     cmd = [venv_script("torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), venv_script("fairseq-train"), *args]

@@ -56,6 +56,18 @@ class TensorRecorder(TorchDispatchMode):
                 if dtype.is_floating_point == floating and any(d > rows for d in shape)]
 
 
+def _fix_mmap_threshold(nbytes: int) -> None:
+    """glibc's ``mallopt(M_MMAP_THRESHOLD, nbytes)``: blocks from ``nbytes`` on are mmap'ed,
+    and the threshold no longer rises as large blocks are freed. Called in the rank: the
+    ``MALLOC_MMAP_THRESHOLD_`` variable is read when a process starts, and a local rank
+    is forked from a server that started earlier."""
+    import ctypes
+
+    M_MMAP_THRESHOLD = -3
+    if ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
 def _anon_rss_bytes() -> int:
     """Resident anonymous memory (``RssAnon``): the heap and mmap'ed tensors, not the
     pages of shared libraries that the first use of an operator faults in."""
@@ -163,8 +175,10 @@ def measure_memory(rank: int, world: int, vocab: int, dim: int, steps: int = 2) 
     from before the model exists: after building it (the table), after building the table's
     optimizer (its two moments), after training steps with the last gradient kept.
 
-    Meaningful only with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``): freed
-    large blocks then go back to the system instead of staying in the heap."""
+    glibc's mmap threshold is fixed first (:func:`_fix_mmap_threshold`): freed large blocks
+    then go back to the system instead of staying in the heap, where resident memory would
+    show what was freed as well as what is held."""
+    _fix_mmap_threshold(131072)
     gc.collect()
     base = _anon_rss_bytes()
     trainer = Trainer(rank, world, vocab, dim, "vocab-parallel")
