@@ -8,12 +8,12 @@ subpackages and hold no algorithm. The layers: docs/ARCHITECTURE.md.
 """
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.core.ids import InvalidIdError
+from embrace_fairseq.core.initial_table import fairseq_initial_table
 from embrace_fairseq.core.shard_plan import ShardPlan
 from embrace_fairseq.core.sharded_embedding import (
     SHARDED_ATTR,
     ShardedEmbedding,
     consolidate,
-    fairseq_initial_table,
     is_sharded_param,
     sharded_embeddings,
 )

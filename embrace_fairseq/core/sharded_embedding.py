@@ -46,6 +46,7 @@ from embrace_fairseq.core.agreement import check_same_plan
 from embrace_fairseq.core.process_group import ProcessGroup, resolve_group
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT, ShardPlan
 from embrace_fairseq.core.errors import UserError
+from embrace_fairseq.core.initial_table import fairseq_initial_rows
 
 #: Attribute set on every sharded parameter so adapters can find (and skip) them.
 SHARDED_ATTR = "embrace_sharded"
@@ -60,23 +61,6 @@ def _force_exchange(value: Optional[bool]) -> bool:
     if value is not None:
         return bool(value)
     return os.environ.get(FORCE_EXCHANGE_ENV, "0") not in ("", "0")
-
-
-def fairseq_initial_table(
-    num_embeddings: int, embedding_dim: int, padding_idx: Optional[int], dtype: Optional[torch.dtype] = None
-) -> torch.Tensor:
-    """The full table fairseq's ``Embedding()`` builds, drawing the RNG the same way.
-
-    fairseq constructs ``nn.Embedding`` (whose own reset draws N(0, 1)) and then
-    re-draws N(0, dim**-0.5) and zeroes the padding row. Consuming the generator
-    identically keeps every module built after the embedding identical too.
-    """
-    table = torch.empty(num_embeddings, embedding_dim, dtype=dtype)
-    table.normal_()  # nn.Embedding.reset_parameters
-    nn.init.normal_(table, mean=0.0, std=embedding_dim**-0.5)
-    if padding_idx is not None:
-        table[padding_idx].zero_()
-    return table
 
 
 class ShardedEmbedding(nn.Module):
@@ -153,8 +137,9 @@ class ShardedEmbedding(nn.Module):
         self.grad_scale = 1.0 / self.world_size if grad_scale is None else float(grad_scale)
         self.ledger = ledger
         self.set_exchange(exchange, ranks_per_node)
-        full = fairseq_initial_table(num_embeddings, embedding_dim, padding_idx, dtype)
-        self.weight = nn.Parameter(self.plan.shard_rows(full, self.rank).clone().to(device))
+        # this rank's rows of fairseq's draw, the whole table never held at once
+        rows = fairseq_initial_rows(num_embeddings, embedding_dim, padding_idx, self.plan.vocab_ids(self.rank), dtype)
+        self.weight = nn.Parameter(rows.to(device))
         setattr(self.weight, SHARDED_ATTR, True)
         # lets optimizer-state glue find the table of a parameter without the module
         self.weight._embrace_table = weakref.ref(self)
