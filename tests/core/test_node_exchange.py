@@ -41,7 +41,7 @@ def test_node_route_equals_flat(world, ranks_per_node, layout):
         assert n <= f, (case, n, f)
 
 
-@pytest.mark.parametrize("world,ranks_per_node", [(3, 3), pytest.param(3, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world,ranks_per_node", [(3, 3), (3, 1)])
 def test_one_node_or_one_rank_per_node_is_the_flat_exchange(world, ranks_per_node):
     results = run_ranks(fns.flat_vs_node, world, ranks_per_node, 10, 3, ["random"])
     for r in results:
@@ -90,7 +90,6 @@ def test_topology_from_the_launcher(monkeypatch):
         NodeTopology(6, 4)
 
 
-@pytest.mark.slow  # ~50 s: 4 DeepSpeed ranks, twice
 def test_deepspeed_hook_with_the_node_exchange_trains_as_stock():
     """The DeepSpeed "embrace" section's "exchange": "node" and "two_level_allreduce" on 2
     emulated nodes of 2 ranks: the tied model trains as stock DeepSpeed does (losses and

@@ -43,7 +43,6 @@ def test_overlap_matches_sync_and_replicated_and_is_never_stale():
         assert out["after_finish"] == 0.0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world,vocab,accum,clip", [(3, 37, 1, 0.0), (3, 37, 2, 0.05), (2, 36, 1, 0.0), (3, 8, 2, 0.0)])
 def test_overlap_matches_more_worlds(world, vocab, accum, clip):
     _check(run_ranks(R.tied_training, world, vocab, 4, accum, clip, timeout_s=180), accum)

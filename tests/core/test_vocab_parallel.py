@@ -65,7 +65,6 @@ def test_cost_and_choice():
         OutputChooser("sometimes")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_per_step_translation_shape(world):
     """d=256, V=8000, 2048 tokens per rank: bytes sent per rank per step by each path, from

@@ -46,7 +46,6 @@ def test_bf16_zero1_matches_stock_within_bf16_rounding():
             assert _rel(got["state"][name], ref["state"][name]) < 2e-2, (rank, name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1])
 def test_nonfinite_gradient_stops_every_rank(stage):
     """A NaN in the last rank's shard gradient: every rank raises FloatingPointError naming it."""
@@ -94,7 +93,6 @@ def test_zero2_matches_stock_zero2():
     _assert_zero2_matches(run_ranks(Z2.zero2_run, 2, cases, 3, timeout_s=300, pg_timeout_s=120), cases, 3)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero2_matches_stock_zero2_every_case(world):
     """2 and 3 ranks (the vocabulary of 37 divides neither), 6 steps of every case: also
@@ -112,7 +110,6 @@ def test_bf16_zero2_matches_stock_within_bf16_rounding():
     _assert_zero2_matches(run_ranks(Z2.zero2_run, 2, cases, 6, timeout_s=600, pg_timeout_s=180), cases, 6, rtol=2e-2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where, name, bf16", [("shard", "emb.weight", False), ("dense", "fc2.weight", False),
                                                ("dense", "fc2.weight", True)])
 def test_zero2_nonfinite_gradient_stops_every_rank(where, name, bf16):
@@ -138,7 +135,6 @@ def test_zero3_refusal_says_why_and_what_instead():
         check_supported({"zero_optimization": {"stage": stage}})
 
 
-@pytest.mark.slow
 def test_relaxed_embedding_under_zero2_matches_stock():
     """"relaxed_embedding": true at ZeRO-2 (the deferred rows stepped by the shard
     optimizer while DeepSpeed partitions the dense gradients), 2 ranks, 5 steps, tied and

@@ -36,7 +36,7 @@ def test_every_config_parses_and_says_whether_it_is_tested(path):
 CPU_CONFIGS = [p for p in CONFIGS if not _gpu_only(json.loads(p.read_text()))]
 
 
-@pytest.mark.slow  # one DeepSpeed engine (two with an "embrace" section) per file, on 2 ranks
+# one DeepSpeed engine (two with an "embrace" section) per file, on 2 ranks: 1-4 s each
 @pytest.mark.parametrize("path", CPU_CONFIGS, ids=lambda p: p.name)
 def test_cpu_config_trains_as_stock_deepspeed(path, tmp_path):
     """2 real gloo ranks, 3 optimizer steps: the file's EmbRace run gives stock DeepSpeed's

@@ -27,8 +27,8 @@ def _two_ranks():
     return _TWO_RANKS[0]
 
 
-# 3 ranks (an odd world) in the slow set: ~70 s of DeepSpeed start-ups on 2 cores
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+# 2 ranks and 3 (an odd world)
+@pytest.mark.parametrize("world", [2, 3])
 def test_same_training_as_stock_deepspeed(world):
     runs = [r["tiny"] for r in _two_ranks()] if world == 2 else run_ranks(R.tiny, world, timeout_s=300,
                                                                             pg_timeout_s=120)

@@ -14,7 +14,6 @@ import rank_fns_gpu_paths as R  # noqa: E402
 from embrace_fairseq.tools.local_ranks import run_ranks  # noqa: E402
 
 
-@pytest.mark.slow
 def test_nonfinite_shard_gradient_is_an_overflow_on_every_rank():
     results = run_ranks(R.zero1_overflow_decision, 2, timeout_s=300, pg_timeout_s=120)
     assert results == [{False: False, True: True}, {False: False, True: True}], results

@@ -77,7 +77,6 @@ def test_masked_lm_step_empty_rank_two_ranks(dict_dir):
         _check_step([r[i] for r in results], 2, c["mode"], c["empty_rank"], c.get("defer", False))
 
 
-@pytest.mark.slow
 def test_masked_lm_step_three_ranks(dict_dir):
     configs = [dict(mode="vocab-parallel", empty_rank=2), dict(mode="vocab-parallel", empty_rank=-1,
                                                                  layout="contiguous", arch="roberta_prenorm"),
