@@ -74,6 +74,7 @@ class _CallerState:
 
 
 def _rank_main(adopted, fn, rank, world, store_path, pg_timeout_s, result_q, args, kwargs):  # pragma: no cover - child
+    # ``adopted`` is None: the caller's state was taken over as it was unpickled (_CallerState)
     import torch.distributed as dist
 
     from embrace_fairseq.guards import watchdog
