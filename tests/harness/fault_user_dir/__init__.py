@@ -3,9 +3,14 @@
 ``EMBRACE_TEST_INF_AT=K EMBRACE_TEST_INF_RANK=R``: at update K, rank R writes inf into
 its shard gradient just before fairseq takes the gradient norm (after the exchange,
 as a numerical overflow in the embedding backward would leave it).
+
+``EMBRACE_TEST_STALL_AT=K``: every rank stops before update K and waits there, saying so on
+stderr, until it is killed: a kill at a known update (a tiny model takes a few
+milliseconds an update, faster than a test can watch its log).
 """
 import os
 import sys
+import time
 
 import torch
 from fairseq.trainer import Trainer
@@ -30,3 +35,18 @@ def clip_grad_norm(self, clip_norm):
 
 
 Trainer.clip_grad_norm = clip_grad_norm
+
+
+_STALL_AT = int(os.environ.get("EMBRACE_TEST_STALL_AT", "-1"))
+_original_train_step = Trainer.train_step
+
+
+def train_step(self, samples, raise_oom=False):
+    if self.get_num_updates() + 1 == _STALL_AT:
+        print(f"stalled before update {_STALL_AT} on rank {self.data_parallel_rank}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(1)
+    return _original_train_step(self, samples, raise_oom)
+
+
+Trainer.train_step = train_step
