@@ -75,11 +75,13 @@ def fairseq_initial_rows(
         raise ValueError("vocab_ids must be ascending")
     out = torch.empty(ids.numel(), embedding_dim, dtype=dtype)
     chunks = draw_chunks(num_embeddings, embedding_dim, chunk_elems)
+    # one buffer for every chunk (its leading rows are contiguous): no fresh pages per chunk
+    buf = torch.empty(max((e - s for s, e in chunks), default=0), embedding_dim, dtype=dtype)
     with torch.no_grad():
         for start, end in chunks:  # nn.Embedding's reset: drawn, then overwritten
-            torch.empty(end - start, embedding_dim, dtype=dtype).normal_()
+            buf[: end - start].normal_()
         for start, end in chunks:  # fairseq's re-draw: keep this rank's rows
-            block = torch.empty(end - start, embedding_dim, dtype=dtype).normal_(0.0, embedding_dim**-0.5)
+            block = buf[: end - start].normal_(0.0, embedding_dim**-0.5)
             lo, hi = (int(i) for i in torch.searchsorted(ids, torch.tensor([start, end])))
             out[lo:hi] = block[ids[lo:hi] - start]
     if padding_idx is not None:
