@@ -71,14 +71,6 @@ large_w2() {
 run_xlmr_w2() { large_w2 xlmr; }
 run_m2m_w2() { large_w2 m2m; }
 run_mbart_w2() { large_w2 mbart; }
-# XLM-R and mBART on the 4 ranks their goals name: with activation checkpointing on every model (the
-# floor's too), a stock rank of either peaks at about 4 GB instead of 7.5 and 5.7, and 4 fit in 23 GB
-large_w4() {
-  bench --models "$1" --worlds 4 --checkpoint-activations --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" \
-        --calibration-steps 2 --timeout 7200 --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/$1_w4"
-}
-run_xlmr_w4() { large_w4 xlmr; }
-run_mbart_w4() { large_w4 mbart; }
 run_m2m_w4() {
   bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
         --timeout 4500 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/m2m_w4"

@@ -11,13 +11,11 @@ import torch
 
 
 def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[str, int], steps: int, data: str,
-                     cache: str, strategies: Sequence[str] = ("fairseq_c10d", "embrace_schedule"),
-                     checkpoint_activations: bool = False) -> Dict[str, dict]:
+                     cache: str, strategies: Sequence[str] = ("fairseq_c10d", "embrace_schedule")) -> Dict[str, dict]:
     """Per workload: each strategy's losses over ``steps`` steps of the same batches, its
     token table's rows (the full table: stock's parameter, EmbRace's plan), this rank's
     shard rows and the model's parameter counts (:func:`W.dense_layers`' groups too).
-    ``tokens[name]``: the workload's tokens per rank for this run; ``checkpoint_activations``:
-    every model recomputes its layers in the backward (the benchmark's flag)."""
+    ``tokens[name]``: the workload's tokens per rank for this run."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -32,7 +30,7 @@ def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[s
     skip_shm_allreduce()
     out: Dict[str, dict] = {}
     for name in names:
-        w = W.workloads(False, checkpoint_activations)[name]
+        w = W.workloads(quick=False)[name]
         if name in tokens:
             w = dataclasses.replace(w, tokens_per_rank=tokens[name])
         b = W.build_task_and_batches(w, world, Path(data), Path(cache))
@@ -54,7 +52,6 @@ def strategies_agree(rank: int, world: int, names: Sequence[str], tokens: Dict[s
                           "table_numel": int(table.weight.numel()),
                           "dense_numel": sum(l["numel"] for l in layers),
                           "layer_groups": sum(".layers." in l["name"] for l in layers),
-                          "checkpointed_layers": sum(hasattr(m, "precheckpoint_forward") for m in s.module.modules()),
                           "build_s": t1 - t0, "steps_s": t2 - t1}
             if s.engine is not None:
                 s.engine.embrace.close() if getattr(s.engine, "embrace", None) is not None else None

@@ -71,9 +71,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                    help="the ranks' memory allocator: jemalloc keeping freed pages, as a GPU's caching allocator "
                         "does (auto: where installed), or glibc's, which faults large blocks in again every step")
-    p.add_argument("--checkpoint-activations", action="store_true",
-                   help="every strategy's model (the floor's too) recomputes its layers' activations in the backward, "
-                        "as fairseq-train --checkpoint-activations: what fits 4 ranks of xlmr or mbart in 23 GB")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin rank r to core r %% (cores this process may use): ranks with a core each")
     a = p.parse_args(argv)
@@ -136,7 +133,6 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
         "ranks_per_node": cluster.ranks_per_node,
         "pg_timeout_s": 600, "profile_steps": 5,
         "regimes": a.regimes, "calibration_steps": a.calibration_steps,
-        "checkpoint_activations": a.checkpoint_activations,
         "latency_applied": (not cluster.loopback) and NC.netem_available(),
     }
     spec_path = tmp / "spec.json"
@@ -306,7 +302,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         "allocator": allocator,
         # --pin-cores: rank r on core r % the cores; the cores each rank could run on, as it saw them
         "pin_cores": a.pin_cores,
-        "checkpoint_activations": a.checkpoint_activations,
         "rank_cores": {f"{launch['model']}/w{launch['world_size']}": {str(rk["rank"]): rk.get("cores")
                                                                      for rk in launch["ranks"]} for launch in raw},
         "regimes": ({"names": a.regimes, "calibration_steps": a.calibration_steps} if a.regimes else None),
@@ -319,7 +314,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      "steps; both orders rotated each round"},
         "threads_per_rank": 1, "wall_s": None,
     }
-    batches = {(r["model"], r["world_size"]): build_task_and_batches(workloads(a.quick, a.checkpoint_activations)[r["model"]], r["world_size"],
+    batches = {(r["model"], r["world_size"]): build_task_and_batches(workloads(a.quick)[r["model"]], r["world_size"],
                                                                       a.data, a.cache) for r in raw}
     result = assemble(meta, raw, batches, a.quick)
     result["meta"]["wall_s"] = time.time() - t_start

@@ -55,9 +55,6 @@ def _setup(meta: Dict[str, Any]) -> List[str]:
              + ("4 ranks oversubscribe the cores: compute is slower than on 4 real nodes." if cpus and cpus < 4 else ""))
     if meta.get("pin_cores"):
         L.append("Ranks pinned: rank r runs on core r % the cores (`--pin-cores`).")
-    if meta.get("checkpoint_activations"):
-        L.append("Activation checkpointing on every model, the floor's included (`--checkpoint-activations`): each "
-                 "layer's activations are recomputed in the backward, so every step does one more forward of the layers.")
     L.append(f"Memory allocator of the ranks: {meta.get('allocator') or 'glibc malloc (not recorded: before --allocator)'}.")
     s = meta["schedule"]
     L.append(f"Steps: {s['warmup']} warm-up, then {s['rounds']} rounds x {s['steps_per_round']} timed steps per strategy and link speed, "

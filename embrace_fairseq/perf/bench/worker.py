@@ -282,7 +282,7 @@ def _calibrate(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: 
     floor.steps_done = first
     links: List[Dict[str, Any]] = []
     if rank == 0:
-        w = W.workloads(spec["quick"], spec["checkpoint_activations"])[spec["model"]]
+        w = W.workloads(spec["quick"])[spec["model"]]
         params = dict(floor.module.named_parameters())
         tables = [{"vocab": int(params[t].shape[0]), "dim": int(params[t].shape[1])} for t in w.tables]
         dense = int(sum(p.numel() for n, p in params.items() if n not in w.tables))
@@ -309,7 +309,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     _log(rank, "imported")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
-    w = W.workloads(spec["quick"], spec["checkpoint_activations"])[spec["model"]]
+    w = W.workloads(spec["quick"])[spec["model"]]
     batches = W.build_task_and_batches(w, world, Path(spec["data"]), Path(spec["cache"]))
     counter = CollectiveCounter()
     t_build = time.perf_counter()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -47,9 +47,6 @@ class Workload:
     tokens_per_rank: int  # translation: fairseq --max-tokens; lm: blocks x tokens_per_sample
     tokens_per_sample: int = 0
     criterion: str = "cross_entropy"
-    # fairseq's activation checkpointing (each transformer layer's activations recomputed in
-    # the backward): what lets a rank of the large-vocabulary workloads fit 4 to a 23 GB machine
-    checkpoint_activations: bool = False
 
     @property
     def is_translation(self) -> bool:
@@ -144,12 +141,8 @@ def large_vocab_workloads() -> Dict[str, Workload]:
 LARGE_VOCAB = tuple(large_vocab_workloads())
 
 
-def workloads(quick: bool, checkpoint_activations: bool = False) -> Dict[str, Workload]:
-    """The models; quick mode keeps the translation model and shrinks the LMs and the batches.
-    ``checkpoint_activations``: every model recomputes its layers' activations in the backward
-    (``fairseq-train --checkpoint-activations``)."""
-    if checkpoint_activations:
-        return {k: replace(w, checkpoint_activations=True) for k, w in workloads(quick).items()}
+def workloads(quick: bool) -> Dict[str, Workload]:
+    """The models; quick mode keeps the translation model and shrinks the LMs and the batches."""
     lm_dim = 96 if quick else 192
     lm_layers = 1 if quick else 2
     decoder = ("--decoder-layers", str(lm_layers), "--decoder-embed-dim", str(lm_dim),
@@ -256,12 +249,7 @@ def fairseq_args(w: Workload, arch: str, data: Path, extra_args: Sequence[str] =
         argv += ["--tokens-per-sample", str(w.tokens_per_sample)]
     argv += list(extra_args)  # a strategy's own flags, last so that they win (e.g. --embrace-output gather)
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, input_args=argv)
-    if w.checkpoint_activations:
-        # set on the namespace, not as a flag: fairseq 0.12's TransformerConfig reads it for every
-        # stack (RoBERTa's and BART's included), but the roberta archs do not parse the flag
-        args.checkpoint_activations = True
-    return args
+    return options.parse_args_and_arch(parser, input_args=argv)
 
 
 class BenchTask(SimpleNamespace):
