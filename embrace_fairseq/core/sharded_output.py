@@ -42,13 +42,6 @@ from embrace_fairseq.core.vocab_parallel import (
 logger = logging.getLogger(__name__)
 
 
-def table_rows(table: ShardedEmbedding) -> torch.Tensor:
-    """Global ids of the table's local rows in its weight's row order, from the table's
-    own layout (:meth:`ShardedEmbedding.shard_of` of the identity column)."""
-    ids = torch.arange(table.num_embeddings, dtype=torch.long).unsqueeze(1)
-    return table.shard_of(ids).reshape(-1).clone()  # == table.vocab_ids(), via the same map as loads
-
-
 class VocabParallelOutput:
     """Mixin for an output layer reading a :class:`ShardedEmbedding`'s rows.
 
@@ -183,7 +176,7 @@ class VocabParallelLogits:
             logger.info("EmbRace output layer: the table's gradient is computed after the backward, beside the "
                         "dense all-reduce (deferred)")
         spec = VocabShardSpec(
-            rows=table_rows(table), vocab_size=table.num_embeddings, group=table.group,
+            rows=table.vocab_ids(), vocab_size=table.num_embeddings, group=table.group,
             grad_scale=table.grad_scale, ledgers=tuple(ledgers_for(table.ledger)),
             deferred=table.deferred_grads if table.defer_output_grad else None,
         )

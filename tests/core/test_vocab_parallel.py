@@ -171,3 +171,23 @@ def test_token_counts_prefetched_before_the_forward():
     for counts, same, error in results:
         assert counts == [3, 5] and same
         assert "announced to the other ranks" in error
+
+
+@pytest.mark.parametrize("vocab,world", [(11, 1), (11, 2), (11, 3), (2, 3), (250_002, 4)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_local_columns_equal_a_full_map_of_the_rows(vocab, world, layout):
+    """The binary search over a shard's ascending rows finds what a vocabulary-long map of
+    them finds, on every rank of both layouts (empty shards and other ranks' ids too)."""
+    import torch
+
+    from embrace_fairseq.core.shard_plan import ShardPlan
+    from embrace_fairseq.core.vocab_parallel import local_columns
+
+    plan = ShardPlan(vocab, world, layout=layout)
+    target = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (257,), generator=torch.Generator().manual_seed(0))])
+    for rank in range(world):
+        rows = plan.vocab_ids(rank)
+        full = torch.full((vocab,), -1, dtype=torch.long)
+        full[rows] = torch.arange(rows.numel())
+        assert torch.equal(local_columns(target, rows), full[target])
+        assert torch.equal(local_columns(target.int(), rows), full[target])
