@@ -192,6 +192,7 @@ def _next_forward(device: torch.device, d: Dict[str, Any]) -> None:
         out_ref.sum().backward()
         opt_ref.step()
         opt_ref.zero_grad()
+        nf.flush()  # what the forward did not complete, before the backward (as the DeepSpeed hook does)
         out.sum().backward()
         nf.begin(update)
     nf.flush()

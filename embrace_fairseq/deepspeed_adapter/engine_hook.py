@@ -161,7 +161,7 @@ class EmbraceEngineHook:
         self.reducer = ScheduledAllReduce(
             dense_parameters(module), self.schedule, group, overlap=self.config.overlap,
             active=self._reducing_backward, tracer=self.tracer, gate=self.gate, live_queue=self.config.live_queue,
-            topology=job_topology(self.tables), two_level=self.config.two_level_allreduce)
+            topology=job_topology(self.tables), two_level=self.config.two_level_allreduce, module=module)
         self.engine.enable_backward_allreduce = False
 
     def _next_forward_blocker(self) -> Optional[str]:

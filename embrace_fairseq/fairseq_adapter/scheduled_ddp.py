@@ -87,7 +87,7 @@ class ScheduledDataParallel(nn.Module):
         self.reducer = ScheduledAllReduce(dense_parameters(module), self.schedule, group, overlap=True,
                                           active=self._reducing, gate=None, tracer=self.tracer,
                                           trace_backward=True, topology=job_topology(tables),
-                                          two_level=two_level)
+                                          two_level=two_level, module=module)
         trace_tables(tables, self.tracer)
         scope_grad_exchanges(tables, None, self._reducing)
         self._closed = False

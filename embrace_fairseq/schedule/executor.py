@@ -83,6 +83,19 @@ __all__ = ["ExchangeGate", "ScheduledAllReduce", "gate_scope"]
 logger = logging.getLogger(__name__)
 
 
+def _grad_tensors(outputs: Any, into: List[torch.Tensor]) -> None:
+    """The tensors that require a gradient in a module's outputs (nested tuples, lists, dicts)."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs.requires_grad:
+            into.append(outputs)
+    elif isinstance(outputs, (tuple, list)):
+        for o in outputs:
+            _grad_tensors(o, into)
+    elif isinstance(outputs, dict):
+        for o in outputs.values():
+            _grad_tensors(o, into)
+
+
 class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
     """Scheduled, overlapped all-reduce of replicated gradients.
 
@@ -116,6 +129,11 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             now). Also says which of the ledger's dense bytes leave the node.
         two_level: use the two-level all-reduce where it applies (default False: one
             ring over all ranks, which measured faster on the emulated 2 x 2 cluster).
+        module: the model whose outputs anchor the end of backward in the outermost
+            backward (:meth:`watch_module`). Without it, the end is the end of the backward
+            the first gradient hook fires in: with reentrant activation checkpointing
+            (``fairseq-train --checkpoint-activations``) that is a layer's recompute, and
+            the hook of a gradient that comes after it raises.
     """
 
     def __init__(
@@ -135,6 +153,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         live_queue: bool = False,
         topology: Optional[NodeTopology] = None,
         two_level: bool = False,
+        module: Optional[torch.nn.Module] = None,
     ) -> None:
         if len(params) != len(schedule.tensors):
             raise ValueError(f"schedule was built for {len(schedule.tensors)} tensors, got {len(params)} parameters")
@@ -203,6 +222,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         # this rank (None: no hook fired, or no reduced step yet: _backward_steps says which)
         self._last_backward_s: Optional[float] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+        if module is not None:
+            self.watch_module(module)
         self._reset()
         if self.single_thread:
             collectives.add_issue_fence(self._fence)
@@ -210,6 +231,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
     # ------------------------------------------------------------------ per step state
     def _reset(self) -> None:
         self._started = False
+        self._end_queued = False  # the end-of-backward callback is queued in this backward
         self._backward_s: Optional[float] = None  # this step's, from the first hook (None: none fired)
         self._ready = [False] * len(self.params)
         self._missing = [len(b.tensors) for b in self.schedule.buckets]
@@ -239,14 +261,52 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         collectives.remove_issue_fence(self._fence)
 
     # ------------------------------------------------------------------ readiness
+    def watch_module(self, module: torch.nn.Module) -> None:
+        """Anchor the end of backward in the outermost backward: a forward hook on
+        ``module`` puts a gradient hook on its outputs, which queues the end-of-backward
+        callback when their gradient arrives.
+
+        A reentrant activation checkpoint (fairseq's ``checkpoint_wrapper``, torch's
+        ``checkpoint(use_reentrant=True)``, DeepSpeed's) recomputes its layer and runs a
+        backward of its own inside the step's: a callback queued from a gradient hook
+        that fires there runs when that layer is done, not the step's backward. The
+        model's outputs belong to the step's backward and their gradient comes before
+        any parameter's inside the model, as DDP's ``_DDPSink`` puts its callback there.
+        """
+        self._handles.append(module.register_forward_hook(self._watch_outputs))
+
+    def _watch_outputs(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        tensors: List[torch.Tensor] = []
+        _grad_tensors(outputs, tensors)
+        for t in tensors:
+            t.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        if self.active():
+            self._queue_end_of_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            # runs once the backward this is called in is done: covers parameters without a gradient
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
             if not self.active():
                 return
+            self._check_drained()  # a deferred step is still started: its state is not this backward's
             if not self._started:
                 self._begin_backward()
             if self.single_thread:
                 self._check_not_zeroed(i)
+            if i in self._no_grad:  # zeros were reduced for it at an end of backward
+                raise RuntimeError(
+                    f"EmbRace 2D schedule: the gradient of dense parameter {i} {tuple(param.shape)} arrived after the "
+                    "end of its backward was taken, which reduced zeros for it. A backward ran inside the step's "
+                    "(reentrant activation checkpointing) and the step's end was taken at its end: give the "
+                    "reducer the model (ScheduledAllReduce(..., module=model)) so that the model's outputs mark "
+                    "the step's backward")
             self._mark(i)
             if self.single_thread and self.overlap:
                 self._issue_ready()
@@ -256,13 +316,15 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
     def _begin_backward(self) -> None:
         """A reducing backward began (its first hook, or a fence before any hook)."""
         self._begin()
-        # runs once the whole backward is done: covers parameters without a gradient
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._queue_end_of_backward()  # a no-op where the model's outputs queued it
 
-    def _begin(self) -> None:
+    def _check_drained(self) -> None:
         if self._deferred:
             raise RuntimeError("a reducing backward began while the previous step's deferred all-reduce was not "
                                "drained: complete its buckets (NextForwardUpdates.flush) before the next backward")
+
+    def _begin(self) -> None:
+        self._check_drained()
         self._started = True
         self._backward_t0_s = time.perf_counter()
         self._backward_t0_us = self.tracer.now()
@@ -286,6 +348,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
     def _end_of_backward(self) -> None:
         # every gradient of this backward is computed: pieces issued before this point
         # overlapped the backward
+        if not self._started:  # no dense gradient and no fence in it: finish() does the rest
+            return
         self.tracer.instant("gradients_ready")
         if self._bw_events:
             self._bw_events.append(collectives.record_event(self.device))  # read at the step's end

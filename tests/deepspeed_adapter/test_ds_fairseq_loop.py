@@ -82,6 +82,20 @@ def test_embrace_under_deepspeed_with_update_freq_equals_stock(mt_data, tmp_path
         stock.updates[-1]["num_updates"])
 
 
+def test_embrace_under_deepspeed_with_checkpointed_activations_equals_stock(mt_data, tmp_path):
+    """fairseq's ``--checkpoint-activations`` (each layer recomputed in a backward of its own
+    inside the step's, every dense gradient of this post-norm, shared-table model in one of
+    those): ``embrace_transformer`` under the DeepSpeed loop equals the stock model under
+    fairseq-train within 1e-4 per update."""
+    common = [*TINY_MT, "--checkpoint-activations"]
+    stock = run_fairseq_train([str(mt_data), *common, "--arch", "transformer", "--save-dir", str(tmp_path / "stock"),
+                               *STOCK_FLAGS], env=PRECISION, timeout=600).check()
+    ds = run_ds_train(mt_data, [*common, "--arch", "embrace_transformer", "--save-dir", str(tmp_path / "ds")],
+                      _ds_json(tmp_path), launcher="torchrun", env=PRECISION).check()
+    assert "EmbRace 2D schedule" in ds.output, ds.output[-3000:]
+    _assert_same_run(stock, ds)
+
+
 # --------------------------------------------------------------------------- start-up mapping (fast)
 
 

@@ -143,6 +143,18 @@ def test_same_training_as_stock(mt_runs):
         assert summary["dense_started_in_backward"] > 0, summary
 
 
+#: fairseq's --checkpoint-activations: each layer is recomputed in a backward of its own
+#: inside the step's. Post-norm layers and a shared table, so every dense gradient comes in
+#: one of those; 3 ranks (56 rows), gradient accumulation.
+CHECKPOINTED = ("translation", "transformer", 3,
+                ["--share-all-embeddings", "--checkpoint-activations", "--update-freq", "2"])
+
+
+def test_checkpointed_activations_train_as_stock(mt_data, lm_data, tmp_path):
+    stock, ours = _train_pair(CHECKPOINTED, mt_data, tmp_path, max_update=UPDATES)
+    _assert_pair(CHECKPOINTED, stock, ours, n=UPDATES)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: f"{c[1]}-{c[2]}ranks-{'_'.join(c[3])}")
 def test_same_training_as_stock_more(case, mt_data, lm_data, tmp_path):
