@@ -282,7 +282,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             t.register_hook(self._output_grad)
 
     def _output_grad(self, grad: torch.Tensor) -> None:
-        if self.active():
+        # not while a deferred step is undrained: the first gradient hook raises for that
+        if self.active() and not self._deferred:
             self._queue_end_of_backward()
 
     def _queue_end_of_backward(self) -> None:
