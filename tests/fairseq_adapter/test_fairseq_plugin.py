@@ -156,6 +156,16 @@ def test_checkpointed_activations_train_as_stock(mt_data, lm_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_checkpointed_activations_in_the_single_thread_issue_mode(mt_data, lm_data, tmp_path, monkeypatch):
+    """The same in the issue mode NCCL takes (pieces from the autograd thread, fences before
+    the exchanges), forced on gloo."""
+    monkeypatch.setenv("EMBRACE_SINGLE_THREAD_ISSUE", "1")
+    stock, ours = _train_pair(CHECKPOINTED, mt_data, tmp_path, max_update=UPDATES)
+    assert "followed from the autograd thread" in ours.output, ours.output[-3000:]
+    _assert_pair(CHECKPOINTED, stock, ours, n=UPDATES)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: f"{c[1]}-{c[2]}ranks-{'_'.join(c[3])}")
 def test_same_training_as_stock_more(case, mt_data, lm_data, tmp_path):
     _run_case(case, mt_data, lm_data, tmp_path)
