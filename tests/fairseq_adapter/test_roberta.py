@@ -127,11 +127,13 @@ SLOW_CASES = [
     ("roberta", 3, [], ["--embrace-output", "auto"], "vocab-parallel"),
     ("roberta", 2, ["--update-freq", "2", "--clip-norm", "0.05"], ["--embrace-output", "gather"], None),
     ("roberta_prenorm", 2, [], [*FORCED, "--embrace-shard-layout", "contiguous"], "vocab-parallel"),
+    # the LM head's own V x D weight: replicated, the token table alone sharded
+    ("roberta", 3, ["--untie-weights-roberta"], [], None),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: f"{c[0]}-{c[1]}ranks-{'_'.join(c[3])}")
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: f"{c[0]}-{c[1]}ranks-{'_'.join(c[2] + c[3])}")
 def test_fairseq_train_more(case, lm_data, tmp_path):
     arch, nproc, extra, ours_extra, path = case
     stock = _train(lm_data, arch, tmp_path / "stock", nproc, extra)
