@@ -154,6 +154,9 @@ SLOW_CASES = [
     # every layer recomputed in a backward of its own inside the step's (post-norm: every
     # dense gradient but the embedding layer norm's comes in one)
     ("translation", "bart_base", 3, ["--checkpoint-activations"], FORCED),
+    # the other presets (their dims overridden by TINY: what differs is the rest of the preset)
+    ("translation", "bart_large", 2, [], FORCED),
+    ("mbart", "mbart_base_wmt20", 2, [], ["--embrace-output", "gather"]),
 ]
 
 
