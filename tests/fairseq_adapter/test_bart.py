@@ -23,7 +23,8 @@ import torch
 import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers embrace_bart*, allow-lists checkpoint globals)
 
 from bart_corpus import MBART_LANGS, make_denoising_corpus, make_mbart_corpus
-from fairseq_corpus import losses_by_update, run_ds_train, run_fairseq_tool, run_fairseq_tool_each, run_fairseq_train
+from fairseq_corpus import (losses_by_update, make_classification_corpus, run_ds_train, run_fairseq_tool,  # noqa: E402
+                            run_fairseq_tool_each, run_fairseq_train)
 
 PRECISE = {"EMBRACE_LOG_PRECISION": "8"}
 REL = 1e-4
@@ -175,6 +176,27 @@ def test_same_training_as_stock_more(case, mbart_data, denoising_data, tmp_path)
     assert (VOCAB_PARALLEL in ours.output) == (ours_extra == FORCED), ours.output[-3000:]
     _assert_same(stock, ours, f"{task} {arch} x{nproc} {' '.join(extra + ours_extra)}",
                  gnorm_rel=DENOISING_GNORM_REL if task == "denoising" else REL)
+
+
+#: BART's GLUE recipe: a classification head on the decoder's state at the last </s>
+CLASSIFY = ["--task", "sentence_prediction", "--criterion", "sentence_prediction", "--num-classes", "3",
+            "--add-prev-output-tokens", "--init-token", "0", "--separator-token", "2", "--max-positions", "32",
+            "--max-tokens", "64"]
+
+
+@pytest.mark.slow
+def test_sentence_prediction_as_stock(tmp_path):
+    """``--task sentence_prediction`` with a BART classification head on 3 ranks (the
+    sentences' own dictionary and the task's ``<mask>``, 57 rows: uneven shards),
+    ``--update-freq 2``: stock losses; the checkpoint holds the full table and the head."""
+    data = make_classification_corpus(tmp_path / "cls", vocab_size=51, timeout=400)
+    stock = _train(data, "bart_base", tmp_path / "stock", 3, CLASSIFY, ["--update-freq", "2"])
+    ours = _train(data, "embrace_bart_base", tmp_path / "ours", 3, CLASSIFY, ["--update-freq", "2"])
+    assert "EmbRace 2D schedule:" in ours.output, ours.output[-3000:]
+    _assert_same(stock, ours, "sentence_prediction bart_base x3 update-freq 2")
+    model = torch.load(tmp_path / "ours" / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    assert model["encoder.embed_tokens.weight"].shape == (57, 16)
+    assert model["classification_heads.sentence_classification_head.out_proj.weight"].shape == (3, 16)
 
 
 def _ds_json(tmp_path):
