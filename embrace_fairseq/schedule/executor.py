@@ -66,6 +66,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
@@ -81,19 +82,6 @@ from embrace_fairseq.schedule.plan import Schedule
 __all__ = ["ExchangeGate", "ScheduledAllReduce", "gate_scope"]
 
 logger = logging.getLogger(__name__)
-
-
-def _grad_tensors(outputs: Any, into: List[torch.Tensor]) -> None:
-    """The tensors that require a gradient in a module's outputs (nested tuples, lists, dicts)."""
-    if isinstance(outputs, torch.Tensor):
-        if outputs.requires_grad:
-            into.append(outputs)
-    elif isinstance(outputs, (tuple, list)):
-        for o in outputs:
-            _grad_tensors(o, into)
-    elif isinstance(outputs, dict):
-        for o in outputs.values():
-            _grad_tensors(o, into)
 
 
 class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
@@ -130,7 +118,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         two_level: use the two-level all-reduce where it applies (default False: one
             ring over all ranks, which measured faster on the emulated 2 x 2 cluster).
         module: the model whose outputs anchor the end of backward in the outermost
-            backward (:meth:`watch_module`). Without it, the end is the end of the backward
+            backward (:meth:`_watch_module`). Without it, the end is the end of the backward
             the first gradient hook fires in: with reentrant activation checkpointing
             (``fairseq-train --checkpoint-activations``) that is a layer's recompute, and
             the hook of a gradient that comes after it raises.
@@ -223,7 +211,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._last_backward_s: Optional[float] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         if module is not None:
-            self.watch_module(module)
+            self._watch_module(module)
         self._reset()
         if self.single_thread:
             collectives.add_issue_fence(self._fence)
@@ -261,7 +249,7 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         collectives.remove_issue_fence(self._fence)
 
     # ------------------------------------------------------------------ readiness
-    def watch_module(self, module: torch.nn.Module) -> None:
+    def _watch_module(self, module: torch.nn.Module) -> None:
         """Anchor the end of backward in the outermost backward: a forward hook on
         ``module`` puts a gradient hook on its outputs, which queues the end-of-backward
         callback when their gradient arrives.
@@ -276,10 +264,9 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._handles.append(module.register_forward_hook(self._watch_outputs))
 
     def _watch_outputs(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-        tensors: List[torch.Tensor] = []
-        _grad_tensors(outputs, tensors)
-        for t in tensors:
-            t.register_hook(self._output_grad)
+        for t in tree_leaves(outputs):  # in nested tuples, lists, dicts
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._output_grad)
 
     def _output_grad(self, grad: torch.Tensor) -> None:
         # not while a deferred step is undrained: the first gradient hook raises for that

@@ -41,13 +41,13 @@ class Checkpointed(torch.nn.Module):
         return checkpoint(self.second, h, use_reentrant=True)
 
 
-def _reducer(model: torch.nn.Module, single_thread: bool, watch: bool) -> ScheduledAllReduce:
+def _reducer(model: torch.nn.Module, single_thread: bool, watch: bool, active=lambda: True) -> ScheduledAllReduce:
     params = list(model.parameters())
     specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i) for i, p in enumerate(params)]
     opts = ScheduleOptions(piece_bytes=64, bucket_bytes=64, max_in_flight=2, compute_bytes_per_s=1e9,
                            link_bytes_per_s=1e9)
     return ScheduledAllReduce(params, build_schedule(specs, opts), None, single_thread=single_thread,
-                              module=model if watch else None)
+                              module=model if watch else None, active=active)
 
 
 def _batch() -> torch.Tensor:
@@ -89,11 +89,7 @@ def test_accumulating_backwards_queue_nothing(gloo1):
     the next, reducing one ends after every layer."""
     model = Checkpointed()
     reducing = [False]
-    params = list(model.parameters())
-    specs = [TensorSpec(f"p{i}", p.numel(), p.element_size(), i) for i, p in enumerate(params)]
-    opts = ScheduleOptions(piece_bytes=64, bucket_bytes=64, max_in_flight=2, compute_bytes_per_s=1e9,
-                           link_bytes_per_s=1e9)
-    red = ScheduledAllReduce(params, build_schedule(specs, opts), None, module=model, active=lambda: reducing[0])
+    red = _reducer(model, single_thread=False, watch=True, active=lambda: reducing[0])
     model(_batch()).pow(2).sum().backward()
     assert not red._started and not red._end_queued
     reducing[0] = True
