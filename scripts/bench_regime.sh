@@ -31,6 +31,13 @@
 #                 the regime's link between): c10d, the sparse all-gather, EmbRace flat, with the
 #                 node-aware exchange and with the two-level all-reduce (about 2 min);
 #   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 6 min).
+# Runs outside the plan, for a machine with more memory (`RUNS="xlmr_w4 mbart_w4 layout_w8"`):
+#   xlmr_w4, mbart_w4  XLM-R and mBART on the 4 ranks their goals name, every baseline (each rank
+#                 peaks at 6-9 GB: about 35 GB in all); 2 rounds x 1 step;
+#   layout_w8     strided against contiguous shards on XLM-R and mBART at 8 ranks, with the floor
+#                 (about 60 GB; give it 8 cores and PIN=1 so that the cores do not decide).
+#   On a machine without that memory the launcher stops the ranks once less than 1.5 GB is left
+#   (--memory-reserve-gb) and says what each rank held.
 # `MBART=1` adds the mBART workload on 2 pinned ranks (every baseline, both regimes) and its
 # schedule ablation in a100-100g, 3 rounds x 3 steps (about 10 and 10 min with jemalloc; its first
 # floor step is cold, about 24 s, then about 2.7 s).
@@ -92,6 +99,17 @@ run_xlmr_layout_w2() {
   bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
         --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
 }
+large_w4() {
+  bench --models "$1" --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --timeout 6000 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w4"
+}
+run_xlmr_w4() { large_w4 xlmr; }
+run_mbart_w4() { large_w4 mbart; }
+run_layout_w8() {
+  bench --models xlmr,mbart --worlds 8 ${PIN:+--pin-cores} --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
+        --calibration-steps 2 --timeout 9000 --strategies embrace_schedule,embrace_contiguous,compute_floor \
+        --out "$OUT/layout_w8"
+}
 run_mbart_ablation_w2() {
   "$PY" -m embrace_fairseq.perf.bench --regime a100-100g --warmup 1 --allocator "${ALLOCATOR:-auto}" --models mbart \
         --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-3}" --calibration-steps 2 \
@@ -100,12 +118,13 @@ run_mbart_ablation_w2() {
 
 PLAN=(w4 xlmr_w2 m2m_w2 ${MBART:+mbart_w2} m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 ${MBART:+mbart_ablation_w2})
 for run in ${RUNS:-${PLAN[@]}}; do
-  declare -F "run_$run" >/dev/null || { echo "bench_regime.sh: no run named '$run' (runs: ${PLAN[*]} mbart_w2 mbart_ablation_w2)" >&2; exit 2; }
+  declare -F "run_$run" >/dev/null || { echo "bench_regime.sh: no run named '$run' (runs: ${PLAN[*]} mbart_w2 mbart_ablation_w2 xlmr_w4 mbart_w4 layout_w8)" >&2; exit 2; }
   "run_$run"
 done
 # the goals read every folder of the plan that is there (a RUNS subset keeps the others' results)
 FOLDERS=()
-for run in w4 xlmr_w2 m2m_w2 mbart_w2 m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 mbart_ablation_w2; do
+for run in w4 xlmr_w2 m2m_w2 mbart_w2 m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 mbart_ablation_w2 \
+           xlmr_w4 mbart_w4 layout_w8; do
   [ -f "$OUT/$run/bench.json" ] && FOLDERS+=("$OUT/$run")
 done
 "$PY" -m embrace_fairseq.perf.bench.regime_goals "${FOLDERS[@]}" --fit-on translation:v100-25g --out "$OUT/goals.md"

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strategy
+from embrace_fairseq.perf.bench import memory_guard as MG
 from embrace_fairseq.perf.bench import netem_cluster as NC
 from embrace_fairseq.perf.bench.allocator import ALLOCATORS
 
@@ -71,6 +73,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                    help="the ranks' memory allocator: jemalloc keeping freed pages, as a GPU's caching allocator "
                         "does (auto: where installed), or glibc's, which faults large blocks in again every step")
+    p.add_argument("--memory-reserve-gb", type=float, default=MG.DEFAULT_RESERVE_GB,
+                   help="stop every rank, naming what each held, once the machine has less memory than this "
+                        "available (default %(default)s; 0: no guard, the kernel's OOM killer decides)")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin rank r to core r %% (cores this process may use): ranks with a core each")
     a = p.parse_args(argv)
@@ -158,15 +163,22 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
         procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
                                       start_new_session=True, preexec_fn=_pinned(a, p.rank)))
     deadline = time.monotonic() + a.timeout
+    first_failed: Optional[int] = None
     try:
         while any(pr.poll() is None for pr in procs):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{model} on {cluster.world_size} ranks: no result within {a.timeout:.0f}s")
+            available, total = MG.machine_memory()
+            if MG.below_reserve(available, a.memory_reserve_gb):
+                held = [MG.resident_bytes(pr.pid) for pr in procs]
+                raise RuntimeError(MG.out_of_memory_message(model, cluster.world_size, available, total, held,
+                                                            a.memory_reserve_gb))
             failed = [i for i, pr in enumerate(procs) if pr.poll() not in (None, 0)]
             if failed:
+                first_failed = failed[0]
                 time.sleep(3)  # give the others a moment to report
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
     finally:
         for pr in procs:
             if pr.poll() is None:
@@ -175,14 +187,31 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
         for log in logs:
             log.close()
     results = []
-    for p in cluster.ranks:
+    # the rank that failed first is the cause; the others were stopped above
+    order = ([first_failed] if first_failed is not None else []) + [r for r in range(len(procs)) if r != first_failed]
+    for p in (cluster.ranks[r] for r in order):
         f = tmp / f"rank{p.rank}.json"
-        res = json.loads(f.read_text()) if f.exists() else {"ok": False, "error": "no result file"}
+        res = json.loads(f.read_text()) if f.exists() else {"ok": False, "error": _no_result(procs[p.rank].returncode)}
         if not res.get("ok"):
             tail = (log_dir / f"{model}_w{cluster.world_size}_rank{p.rank}.log").read_text()[-3000:]
             raise RuntimeError(f"{model} rank {p.rank} of {cluster.world_size} failed: {res.get('error')}\n{tail}")
         results.append(res)
     return results
+
+
+def _no_result(returncode: Optional[int]) -> str:
+    """Why a rank left no result file, from its exit status.
+
+    >>> print(_no_result(-9))
+    no result file: killed by SIGKILL (on Linux, usually the kernel's OOM killer: see dmesg)
+    >>> print(_no_result(1))
+    no result file: exit status 1
+    """
+    if returncode is not None and returncode < 0:
+        sig = signal.Signals(-returncode).name
+        why = " (on Linux, usually the kernel's OOM killer: see dmesg)" if sig == "SIGKILL" else ""
+        return f"no result file: killed by {sig}{why}"
+    return f"no result file: exit status {returncode}"
 
 
 def pinned_core(rank: int, cores: List[int]) -> int:
@@ -275,7 +304,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             with tempfile.TemporaryDirectory(prefix="embrace_bench_") as tmp:
                 cluster = NC.Cluster.create(world, links[0], loopback=loopback, ranks_per_node=a.ranks_per_node)
                 try:
-                    ranks = _launch(a, model, cluster, links, Path(tmp), a.out / "logs")
+                    try:
+                        ranks = _launch(a, model, cluster, links, Path(tmp), a.out / "logs")
+                    except RuntimeError as exc:  # a rank failed, the memory ran low, or time ran out
+                        print(f"[bench] stopped: {exc}", file=sys.stderr, flush=True)
+                        return 1
                     raw.append({"model": model, "world_size": world, "cluster": cluster.describe(), "ranks": ranks})
                     if a.regimes:
                         raw[-1]["calibration"] = ranks[0]["calibration"]
