@@ -31,14 +31,15 @@ class Checkpointed(torch.nn.Module):
     """Two layers, each recomputed in the backward, and one that gets no gradient: every
     parameter with a gradient gets it inside a layer's own backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first, self.second, self.unused = (torch.nn.Linear(4, 4) for _ in range(3))
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = checkpoint(self.first, x, use_reentrant=True)
-        return checkpoint(self.second, h, use_reentrant=True)
+        h = checkpoint(self.first, x, use_reentrant=self.reentrant)
+        return checkpoint(self.second, h, use_reentrant=self.reentrant)
 
 
 def _reducer(model: torch.nn.Module, single_thread: bool, watch: bool, active=lambda: True) -> ScheduledAllReduce:
@@ -54,11 +55,14 @@ def _batch() -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("single_thread", [False, True], ids=["thread", "single_thread"])
-def test_the_step_ends_after_every_checkpointed_layer(gloo1, single_thread):
-    reference = Checkpointed()
+def test_the_step_ends_after_every_checkpointed_layer(gloo1, single_thread, reentrant):
+    """Also torch's non-reentrant checkpoint (its default, saved-tensor hooks: no backward
+    of its own), which the step's one backward covers."""
+    reference = Checkpointed(reentrant)
     reference(_batch()).pow(2).sum().backward()
-    model = Checkpointed()
+    model = Checkpointed(reentrant)
     red = _reducer(model, single_thread, watch=True)
     for _ in range(2):  # a second step: the state of the first was reset
         model.zero_grad(set_to_none=True)
