@@ -133,6 +133,7 @@ setup(
     entry_points={
         "console_scripts": [
             "embrace-ds-train = embrace_fairseq.deepspeed_adapter.train:main",
+            "embrace-hydra-train = embrace_fairseq.fairseq_adapter.hydra_train:main",
             "embrace-prepare-data = embrace_fairseq.data_prep.__main__:main",
             "embrace-export-stock = embrace_fairseq.tools.export_stock:main",
         ]

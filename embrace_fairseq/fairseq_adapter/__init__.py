@@ -11,6 +11,7 @@ compat.apply()
 from embrace_fairseq.guards import one_line_errors
 
 one_line_errors.install()  # a user's mistake (a refused flag, a bad checkpoint) ends fairseq's commands with one line
+compat.refuse_late_import()  # fairseq-hydra-train under torchrun: its ranks are set up by now, each alone
 
 from embrace_fairseq.fairseq_adapter import checkpoint_io, scheduled_ddp, trainer_glue, vocab_parallel_criteria
 from embrace_fairseq.fairseq_adapter import (  # noqa: F401  (registers embrace_transformer*, embrace_transformer_lm*)

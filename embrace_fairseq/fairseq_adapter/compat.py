@@ -41,6 +41,10 @@ there too:
    TPU mode (``--tpu``) with ``--bf16``; without ``torch_xla`` a distributed run stopped in
    ``distributed_init`` on ``'NoneType' object has no attribute 'xrt_world_size'`` (seen on a
    GPU). Now it stops before anything starts, naming the flag and what to use on GPUs.
+8. ``fairseq-hydra-train`` imports the user dir only after it has set up the ranks, so fix 1
+   comes too late there and each torchrun process would train alone as rank 0.
+   :func:`refuse_late_import` stops such a process, naming ``embrace-hydra-train``, which
+   loads the plugin first (:mod:`.hydra_train`).
 """
 from __future__ import annotations
 
@@ -420,6 +424,32 @@ def _translation_from_pretrained_bart_args() -> None:
             self.args = self.cfg
 
     task.__init__ = _mark(__init__)
+
+
+class LateUserDirError(UserError, RuntimeError):
+    """The user dir imported by ``fairseq-hydra-train`` in a torchrun process that trains alone."""
+
+
+def refuse_late_import(environ: Optional[dict] = None) -> None:
+    """Stop a torchrun process of ``fairseq-hydra-train`` that imports the plugin after fairseq
+    set it up to train alone (world size 1, no process group) while torchrun started several.
+
+    ``fairseq-train`` imports ``--user-dir`` while parsing its arguments, before it sets up
+    the ranks, and ``embrace-hydra-train`` imports the plugin before fairseq's hydra entry:
+    neither has ``fairseq_cli.hydra_train`` loaded yet when this runs. Where the process group
+    is up (fairseq's own torchrun rules found the ranks: GPUs), nothing is wrong."""
+    env = torchrun_env(environ)
+    if env is None or env.world_size == 1 or "fairseq_cli.hydra_train" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    raise LateUserDirError(
+        f"fairseq-hydra-train loaded the EmbRace user dir after it had set up this process to train "
+        f"alone, while torchrun started {env.world_size} processes (fairseq's hydra entry imports "
+        "common.user_dir only inside its main). Start it as embrace-hydra-train, with the same "
+        "arguments: it loads EmbRace first.")
 
 
 def apply() -> None:

@@ -356,3 +356,17 @@ def test_numpy_compat_long_for_token_blocks() -> None:
     docs = [torch.tensor([5, 6, 2]), torch.tensor([7, 2]), torch.tensor([8, 9, 10, 2])]
     blocks = TokenBlockDataset(docs, np.array([3, 2, 4]), block_size=None, pad=1, eos=2, break_mode="eos")
     assert [blocks[i].tolist() for i in range(len(blocks))] == [d.tolist() for d in docs]
+
+
+def test_late_import_refused_only_where_fairseq_hydra_set_the_rank_up_alone(monkeypatch):
+    """``fairseq-hydra-train`` imports the user dir inside its main: a torchrun rank of several
+    that has no process group by then trains alone. fairseq-train (its arguments parsed, the
+    hydra entry not loaded) and a world of one pass."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "1"}
+    monkeypatch.delitem(sys.modules, "fairseq_cli.hydra_train", raising=False)
+    compat.refuse_late_import(env)
+    monkeypatch.setitem(sys.modules, "fairseq_cli.hydra_train", object())
+    with pytest.raises(compat.LateUserDirError, match="Start it as embrace-hydra-train"):
+        compat.refuse_late_import(env)
+    compat.refuse_late_import({**env, "WORLD_SIZE": "1"})
+    compat.refuse_late_import({})

@@ -39,6 +39,8 @@ PathLike = Union[str, os.PathLike]
 
 # "2026-01-01 00:00:00 | INFO | train_inner | {...}": fairseq's log format (fairseq_cli/*.py).
 _LOG_LINE = re.compile(r"^\S+ \S+ \| (?P<level>[A-Z]+) \| (?P<name>[^|]+?) \| (?P<msg>.*)$")
+# fairseq-hydra-train logs through hydra's formatter: [time][name][LEVEL] - message
+_HYDRA_LOG_LINE = re.compile(r"^\[[^\]]+\]\[(?P<name>[^\]]+)\]\[(?P<level>[A-Z]+)\] - (?P<msg>.*)$")
 
 
 def venv_script(name: str) -> str:
@@ -288,10 +290,11 @@ class FairseqRun:
 
 
 def parse_json_records(text: str) -> List[Dict[str, Any]]:
-    """JSON log records from fairseq output (``--log-format json``), each with ``_tag`` set."""
+    """JSON log records from fairseq output (``--log-format json``; fairseq-hydra-train's
+    ``common.log_format=json`` too), each with ``_tag`` set."""
     records = []
     for line in text.splitlines():
-        m = _LOG_LINE.match(line.strip())
+        m = _LOG_LINE.match(line.strip()) or _HYDRA_LOG_LINE.match(line.strip())
         if not m or not m.group("msg").startswith("{"):
             continue
         try:
