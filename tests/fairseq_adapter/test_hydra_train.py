@@ -6,6 +6,8 @@ shipped in the fairseq package) shrunk by overrides to a tiny model, under torch
 * ``embrace-hydra-train`` trains ``embrace_roberta`` on 3 ranks (a 49-row table: 17, 16, 16
   rows) with the losses and gradient norms of stock ``roberta`` run the same way, as one job
   of 3 ranks (the logged batch is 3 ranks' worth);
+* the fine-tuning config (``finetuning/rte.yaml``) restores that stock checkpoint into
+  ``embrace_roberta`` on 3 ranks, with stock's losses, accuracies and validation;
 * plain ``fairseq-hydra-train`` with ``common.user_dir`` imports the plugin after it has set
   up each process to train alone; it stops on every rank, naming ``embrace-hydra-train``,
   instead of training 3 models side by side.
@@ -17,11 +19,11 @@ from typing import List
 
 import pytest
 
-from fairseq_corpus import USER_DIR, make_lm_corpus, run_fairseq_train
+from fairseq_corpus import USER_DIR, make_classification_corpus, make_lm_corpus, run_fairseq_train
 
 fairseq = pytest.importorskip("fairseq")
 
-PRETRAINING = Path(fairseq.__file__).parent / "examples" / "roberta" / "config" / "pretraining"
+CONFIGS = Path(fairseq.__file__).parent / "examples" / "roberta" / "config"
 VOCAB = 49
 BATCH = 4
 
@@ -35,7 +37,7 @@ def lm_data(tmp_path_factory):
 def _overrides(data: Path, arch: str, save_dir: Path, *extra: str) -> List[str]:
     """The recipe's config, shrunk: a 1-layer model of width 16, 32 tokens, fp32 on CPU ranks."""
     return [
-        "--config-dir", str(PRETRAINING), "--config-name", "base",
+        "--config-dir", str(CONFIGS / "pretraining"), "--config-name", "base",
         f"task.data={data}", "task.tokens_per_sample=32", "task.sample_break_mode=none",
         "common.fp16=false", "common.cpu=true", "common.log_interval=1", "common.seed=3",
         "distributed_training.distributed_backend=gloo", "distributed_training.ddp_backend=legacy_ddp",
@@ -53,8 +55,22 @@ def _hydra(script: str, args: List[str], nproc: int):
                              env={"EMBRACE_LOG_PRECISION": "8"}, timeout=400)
 
 
-def test_embrace_hydra_train_as_stock_on_three_ranks(lm_data, tmp_path):
-    stock = _hydra("embrace-hydra-train", _overrides(lm_data, "roberta", tmp_path / "stock"), 3).check()
+@pytest.fixture(scope="module")
+def stock_pretraining(lm_data, tmp_path_factory):
+    """Stock ``roberta`` pretrained with the recipe's config on 3 ranks: (run, save dir)."""
+    save = tmp_path_factory.mktemp("hydra_stock")
+    return _hydra("embrace-hydra-train", _overrides(lm_data, "roberta", save), 3).check(), save
+
+
+def _same_updates(stock, ours, keys=("loss", "gnorm")):
+    assert len(stock.updates) == len(ours.updates) > 0
+    for a, b in zip(stock.updates, ours.updates):
+        for k in keys:
+            assert abs(float(a[k]) - float(b[k])) <= 1e-4 * abs(float(a[k])) + 1e-6, (k, a, b)
+
+
+def test_embrace_hydra_train_as_stock_on_three_ranks(lm_data, stock_pretraining, tmp_path):
+    stock, _ = stock_pretraining
     ours = _hydra("embrace-hydra-train", _overrides(lm_data, "embrace_roberta", tmp_path / "ours",
                                                     "+model.embrace_output=vocab-parallel"), 3).check()
     assert "EmbRace output layer: vocab-parallel (forced" in ours.output, ours.output[-3000:]
@@ -64,10 +80,33 @@ def test_embrace_hydra_train_as_stock_on_three_ranks(lm_data, tmp_path):
         assert [int(r["num_updates"]) for r in steps] == list(range(1, 7)), run.output[-3000:]
         # one job of 3 ranks: rank 0 logs every update, with every rank's sentences counted
         assert all(int(r["bsz"]) == 3 * BATCH for r in steps), steps
-    for a, b in zip(stock.updates, ours.updates):
-        assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-5 * abs(float(a["loss"])), (a, b)
-        assert abs(float(a["gnorm"]) - float(b["gnorm"])) <= 1e-4 * abs(float(a["gnorm"])), (a, b)
+    _same_updates(stock, ours)
     assert (tmp_path / "ours" / "checkpoint_last.pt").exists()
+
+
+def test_stock_checkpoint_fine_tuned_with_the_recipe_config(lm_data, stock_pretraining, tmp_path):
+    """What an XLM-R user runs: the recipe's fine-tuning config, a stock checkpoint restored."""
+    _, pretrained = stock_pretraining
+    cls = make_classification_corpus(tmp_path / "cls", vocab_size=VOCAB - 5, srcdict=lm_data / "dict.txt")
+
+    def fine_tune(arch: str):
+        return _hydra("embrace-hydra-train", [
+            "--config-dir", str(CONFIGS / "finetuning"), "--config-name", "rte", f"task.data={cls}",
+            "task.num_classes=3", f"checkpoint.restore_file={pretrained / 'checkpoint_last.pt'}",
+            "common.fp16=false", "common.cpu=true", "common.log_interval=1", "common.seed=3",
+            "distributed_training.distributed_backend=gloo", "distributed_training.ddp_backend=legacy_ddp",
+            "dataset.num_workers=0", "dataset.batch_size=8", "optimization.max_update=6", "optimization.max_epoch=0",
+            "lr_scheduler.warmup_updates=2", "+lr_scheduler.total_num_update=6",
+            f"checkpoint.save_dir={tmp_path / arch}", f"hydra.run.dir={tmp_path / arch}/hydra", f"model._name={arch}",
+            "+model.encoder_layers=1", "+model.encoder_embed_dim=16", "+model.encoder_ffn_embed_dim=32",
+            "+model.encoder_attention_heads=2", "model.dropout=0", "model.attention_dropout=0"], 3).check()
+
+    stock, ours = fine_tune("roberta"), fine_tune("embrace_roberta")
+    assert "EmbRace 2D schedule:" in ours.output, ours.output[-3000:]
+    assert all(int(r["bsz"]) == 24 for r in ours.updates)  # 3 ranks x 8 sentences
+    _same_updates(stock, ours, ("loss", "accuracy"))
+    valid = [(r["valid_loss"], r["valid_accuracy"]) for r in stock.tagged("valid")]
+    assert valid and valid == [(r["valid_loss"], r["valid_accuracy"]) for r in ours.tagged("valid")]
 
 
 def test_fairseq_hydra_train_with_the_user_dir_stops_on_every_rank(lm_data, tmp_path):
