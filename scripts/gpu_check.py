@@ -14,7 +14,7 @@ driver collects them into ``gpu_check.json`` under ``--out`` (default ``$OUT``, 
 * ``vocab_parallel``: the vocab-parallel loss on the device against the float64
   full-table loss: world of one (fp32, bf16 autocast, bf16) and two gloo ranks whose
   tensors live on GPU 0 (uneven and empty token counts; the asynchronous gathers).
-* ``fairseq``: fp16 (``--memory-efficient-fp16``) EmbRace vs stock fairseq (its ``--bf16`` is its TPU mode).
+* ``fairseq``: fp16 (``--fp16``, then ``--memory-efficient-fp16``) EmbRace vs stock fairseq (its ``--bf16`` is its TPU mode).
 * ``fairseq_resume``: a ``--memory-efficient-fp16`` run resumed from its checkpoint
   repeats the uninterrupted run.
 * ``deepspeed``: fp16 and bf16 ZeRO-1 EmbRace vs stock DeepSpeed, and the fp32 masters

@@ -207,7 +207,7 @@ def _refuse_tpu_mode_without_xla(cfg: Any) -> None:
     flag = "--bf16 turns on fairseq's TPU mode (--tpu)" if cfg.common.bf16 else "--tpu is fairseq's TPU mode"
     raise TpuModeWithoutXlaError(
         f"{flag}, and torch_xla is not installed: fairseq trains bf16 on TPUs only. On GPUs train "
-        "with --fp16 --memory-efficient-fp16, or in bf16 with DeepSpeed (embrace-ds-train and a "
+        "with --fp16, or in bf16 with DeepSpeed (embrace-ds-train and a "
         "DeepSpeed config with \"bf16\")")
 
 

@@ -175,26 +175,25 @@ def validate_training_config(cfg: Any, model: torch.nn.Module) -> None:
     """Clear start-up errors for combinations that cannot work (one line each, as user
     errors are printed: :mod:`embrace_fairseq.guards.one_line_errors`)."""
     common = cfg.common
-    if common.cpu and (common.fp16 or common.amp or common.memory_efficient_fp16):
-        flag = "--amp" if common.amp else "--fp16"
+    sharded = _has_sharded_tables(model)
+    if common.cpu and common.amp:
         raise UnsupportedTrainingConfig(
-            f"{flag} needs a CUDA device: half-precision training is not supported on CPU (--cpu). "
-            "Drop the flag, or train on GPU."
-        )
-    if _has_sharded_tables(model):
+            "--amp needs a CUDA device (torch.cuda.amp): drop the flag, or train on GPU.")
+    if common.cpu and common.fp16 and not (common.memory_efficient_fp16 or common.fp16_no_flatten_grads or sharded):
+        # fairseq builds its flat fp32 copy on torch.cuda.current_device(); per-parameter
+        # copies (and EmbRace models, which always take them: fp16_masters.py) run on CPU
+        raise UnsupportedTrainingConfig(
+            "--fp16 on CPU (--cpu) needs --fp16-no-flatten-grads: fairseq builds its flat fp32 copy "
+            "of the parameters on a CUDA device.")
+    if sharded:
         backend = cfg.distributed_training.ddp_backend
         if backend not in ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp"):
             raise UnsupportedTrainingConfig(
                 f"--ddp-backend {backend} is not supported with EmbRace architectures; "
                 "use legacy_ddp or c10d (the sharded tables do their own exchange)"
             )
-        # fairseq's FP16Optimizer keeps its own fp32 copies of the parameters, which
-        # lose the marks that tell shards from replicated parameters; the
-        # memory-efficient variants step the model's parameters themselves.
-        if common.fp16 and not common.memory_efficient_fp16:
-            raise UnsupportedTrainingConfig("--fp16 with EmbRace architectures needs --memory-efficient-fp16 as well")
-        if common.bf16 and not common.memory_efficient_bf16:
-            raise UnsupportedTrainingConfig("--bf16 with EmbRace architectures needs --memory-efficient-bf16 as well")
+        # --fp16/--bf16: fairseq's FP16Optimizer keeps fp32 master copies, made per
+        # parameter with the shards' marks for these models (fp16_masters.py)
 
 
 def _trainer_init(original):

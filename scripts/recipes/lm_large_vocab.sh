@@ -114,7 +114,8 @@ else
   EVAL_BATCH_SIZE="${EVAL_BATCH_SIZE:-2}"
   DS_CONFIG="${DS_CONFIG:-$ROOT/ds_config/lm_large_vocab_fp16.json}"
   DEVICE_ARGS=()
-  # EmbRace architectures need the memory-efficient variant (no flat fp32 copy of all weights)
+  # the memory-efficient variant: the one run on a GPU so far (scripts/gpu_check.sh); plain --fp16
+  # (fairseq's fp32 masters, per parameter for EmbRace models) trains too
   FP16_ARGS=(--memory-efficient-fp16)
   EVAL_DEVICE_ARGS=()
 fi

@@ -27,9 +27,10 @@ def test_cpu_smoke_runs_and_writes_results(tmp_path):
     vp = checks["vocab_parallel"]
     assert vp["status"] == "pass" and vp["detail"]["vp_loss_fp32"] <= 1e-4
     assert all(vp["detail"][f"two_ranks_step{i}_loss_rel"] <= 1e-5 for i in range(3))
-    assert checks["fairseq"]["status"] == "skip" and len(checks["fairseq"]["detail"]["planned"]) == 2
-    planned = checks["fairseq"]["detail"]["planned"][1]
-    assert "embrace_transformer" in planned and "--memory-efficient-fp16" in planned and "nccl" in planned
+    assert checks["fairseq"]["status"] == "skip" and len(checks["fairseq"]["detail"]["planned"]) == 4
+    plain, efficient = checks["fairseq"]["detail"]["planned"][1], checks["fairseq"]["detail"]["planned"][3]
+    assert "embrace_transformer" in plain and "--fp16" in plain and "--memory-efficient-fp16" not in plain
+    assert "embrace_transformer" in efficient and "--memory-efficient-fp16" in efficient and "nccl" in efficient
     assert set(checks["deepspeed"]["detail"]["planned"]) == {"fp16", "bf16"}
 
 
