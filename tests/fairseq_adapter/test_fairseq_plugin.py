@@ -293,7 +293,7 @@ def test_lm_three_ranks_and_eval_lm(lm_data, tmp_path):
 STARTUP_ERRORS = [
     (["--arch", "embrace_transformer_lm", "--adaptive-input", "--adaptive-input-cutoff", "20",
       "--adaptive-softmax-cutoff", "20"], "--adaptive-input"),
-    (["--arch", "embrace_transformer_lm", "--fp16"], "needs a CUDA device"),
+    (["--arch", "embrace_transformer_lm", "--amp"], "--amp needs a CUDA device"),
 ]
 
 
