@@ -8,6 +8,7 @@ user's plain ``--fp16`` is what runs here. fp16 weights and activations on gloo 
 * 3 ranks (a 56-row shared table: 19, 19, 18 rows), clipping on (``--clip-norm 0.25``, below
   the gradient norm: the update depends on the norm over every rank's shard): EmbRace's
   losses, gradient norms and loss scale are stock's, within fp16 rounding;
+* the same with the tied output layer vocab-parallel;
 * the checkpoint (full tables, the fp32 masters' Adam moments gathered) resumes on 2 ranks
   as stock's does.
 
@@ -65,6 +66,11 @@ def test_fp16_as_stock_on_three_ranks_and_resumed_on_two(mt_data, tmp_path):
     ours = _train(mt_data, "embrace_transformer", tmp_path / "ours", 3, 8)
     assert "EmbRace --fp16: fp32 master copies per parameter" in ours.output, ours.output[-3000:]
     _assert_same(stock, ours, 1)
+    # the tied output layer vocab-parallel (auto gathers the tiny table): fp16 logits per shard
+    vocab_parallel = _train(mt_data, "embrace_transformer", tmp_path / "ours_vp", 3, 8,
+                            ["--embrace-output", "vocab-parallel"])
+    assert "EmbRace output layer: vocab-parallel (forced" in vocab_parallel.output
+    _assert_same(stock, vocab_parallel, 1)
     stock2 = _train(mt_data, "transformer", tmp_path / "stock", 2, 12)
     ours2 = _train(mt_data, "embrace_transformer", tmp_path / "ours", 2, 12)
     _assert_same(stock2, ours2, 9)
