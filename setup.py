@@ -114,6 +114,7 @@ def _requirements():
         "sacrebleu>=2.4",
         "sentencepiece>=0.2",
         "numpy",
+        "psutil",  # the benchmark launcher's memory guard
     ]
 
 
