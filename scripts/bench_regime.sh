@@ -78,10 +78,13 @@ large_w2() {
 run_xlmr_w2() { large_w2 xlmr; }
 run_m2m_w2() { large_w2 m2m; }
 run_mbart_w2() { large_w2 mbart; }
-run_m2m_w4() {
-  bench --models m2m --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --timeout 4500 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/m2m_w4"
+large_w4() {  # 2 ranks per core here; XLM-R's and mBART's runs for a machine with more memory
+  bench --models "$1" --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --timeout 6000 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w4"
 }
+run_m2m_w4() { large_w4 m2m; }
+run_xlmr_w4() { large_w4 xlmr; }
+run_mbart_w4() { large_w4 mbart; }
 run_ablation_w2() {
   bench --models translation --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-4}" \
         --strategies "$ABLATION,compute_floor" --out "$OUT/ablation_w2"
@@ -99,12 +102,6 @@ run_xlmr_layout_w2() {
   bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
         --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
 }
-large_w4() {
-  bench --models "$1" --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --timeout 6000 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w4"
-}
-run_xlmr_w4() { large_w4 xlmr; }
-run_mbart_w4() { large_w4 mbart; }
 run_layout_w8() {
   bench --models xlmr,mbart --worlds 8 ${PIN:+--pin-cores} --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
         --calibration-steps 2 --timeout 9000 --strategies embrace_schedule,embrace_contiguous,compute_floor \
