@@ -34,20 +34,26 @@ def lm_data(tmp_path_factory):
                           extra_preprocess_args=["--padding-factor", "1"])
 
 
-def _overrides(data: Path, arch: str, save_dir: Path, *extra: str) -> List[str]:
-    """The recipe's config, shrunk: a 1-layer model of width 16, 32 tokens, fp32 on CPU ranks."""
+def _recipe(config: str, arch: str, save_dir: Path, *extra: str) -> List[str]:
+    """A recipe's config (``pretraining/base`` or ``finetuning/rte``), shrunk: a 1-layer model of
+    width 16, fp32 on CPU ranks, 6 updates; ``extra``: the task's own overrides."""
     return [
-        "--config-dir", str(CONFIGS / "pretraining"), "--config-name", "base",
-        f"task.data={data}", "task.tokens_per_sample=32", "task.sample_break_mode=none",
+        "--config-dir", str(CONFIGS / Path(config).parent), "--config-name", Path(config).name,
         "common.fp16=false", "common.cpu=true", "common.log_interval=1", "common.seed=3",
         "distributed_training.distributed_backend=gloo", "distributed_training.ddp_backend=legacy_ddp",
-        f"dataset.batch_size={BATCH}", "dataset.num_workers=0", "optimization.update_freq=[1]",
-        "optimization.max_update=6", "lr_scheduler.warmup_updates=2", f"checkpoint.save_dir={save_dir}",
-        f"hydra.run.dir={save_dir}/hydra",
+        "dataset.num_workers=0", "optimization.max_update=6", "lr_scheduler.warmup_updates=2",
+        f"checkpoint.save_dir={save_dir}", f"hydra.run.dir={save_dir}/hydra",
         f"model._name={arch}", "+model.encoder_layers=1", "+model.encoder_embed_dim=16",
         "+model.encoder_ffn_embed_dim=32", "+model.encoder_attention_heads=2", "model.dropout=0",
         "model.attention_dropout=0", *extra,
     ]
+
+
+def _overrides(data: Path, arch: str, save_dir: Path, *extra: str) -> List[str]:
+    """The pretraining recipe on the masked-LM corpus: 32 tokens, :data:`BATCH` sentences a rank."""
+    return _recipe("pretraining/base", arch, save_dir, f"task.data={data}", "task.tokens_per_sample=32",
+                   "task.sample_break_mode=none", f"dataset.batch_size={BATCH}", "optimization.update_freq=[1]",
+                   *extra)
 
 
 def _hydra(script: str, args: List[str], nproc: int):
@@ -90,16 +96,10 @@ def test_stock_checkpoint_fine_tuned_with_the_recipe_config(lm_data, stock_pretr
     cls = make_classification_corpus(tmp_path / "cls", vocab_size=VOCAB - 5, srcdict=lm_data / "dict.txt")
 
     def fine_tune(arch: str):
-        return _hydra("embrace-hydra-train", [
-            "--config-dir", str(CONFIGS / "finetuning"), "--config-name", "rte", f"task.data={cls}",
-            "task.num_classes=3", f"checkpoint.restore_file={pretrained / 'checkpoint_last.pt'}",
-            "common.fp16=false", "common.cpu=true", "common.log_interval=1", "common.seed=3",
-            "distributed_training.distributed_backend=gloo", "distributed_training.ddp_backend=legacy_ddp",
-            "dataset.num_workers=0", "dataset.batch_size=8", "optimization.max_update=6", "optimization.max_epoch=0",
-            "lr_scheduler.warmup_updates=2", "+lr_scheduler.total_num_update=6",
-            f"checkpoint.save_dir={tmp_path / arch}", f"hydra.run.dir={tmp_path / arch}/hydra", f"model._name={arch}",
-            "+model.encoder_layers=1", "+model.encoder_embed_dim=16", "+model.encoder_ffn_embed_dim=32",
-            "+model.encoder_attention_heads=2", "model.dropout=0", "model.attention_dropout=0"], 3).check()
+        return _hydra("embrace-hydra-train", _recipe(
+            "finetuning/rte", arch, tmp_path / arch, f"task.data={cls}", "task.num_classes=3",
+            f"checkpoint.restore_file={pretrained / 'checkpoint_last.pt'}", "dataset.batch_size=8",
+            "optimization.max_epoch=0", "+lr_scheduler.total_num_update=6"), 3).check()
 
     stock, ours = fine_tune("roberta"), fine_tune("embrace_roberta")
     assert "EmbRace 2D schedule:" in ours.output, ours.output[-3000:]
