@@ -78,14 +78,14 @@ def fairseq_vs_stock(out: Path, cpu: bool) -> Dict[str, Any]:
     # stock fairseq cannot run on a GPU either; bf16 on a GPU is DeepSpeed's (see ``deepspeed``)
     # fairseq's FP16Optimizer (fp32 masters; per parameter for EmbRace, fp16_masters.py) and
     # its memory-efficient variant
-    for prec, name, extra in (("fp16", "fp16", []), ("fp16", "fp16_memory_efficient", ["--memory-efficient-fp16"])):
-        flags = [f"--{prec}", *extra, "--max-update", "12"]
+    for name, extra in (("fp16", []), ("fp16_memory_efficient", ["--memory-efficient-fp16"])):
+        flags = ["--fp16", *extra, "--max-update", "12"]
         stock = _train(data, "transformer", out / f"fairseq_{name}_stock", flags, plan, cpu)
         ours = _train(data, "embrace_transformer", out / f"fairseq_{name}_embrace", flags, plan, cpu)
         if not cpu:
             d[f"{name}_max_rel_loss_diff"] = err = _rel(ours, stock)
             d[f"{name}_updates"] = len(ours)
-            if not (err <= LOSS_TOL[prec] and len(ours) >= 12):
+            if not (err <= LOSS_TOL["fp16"] and len(ours) >= 12):
                 return {"status": "fail", "detail": d}
     return {"status": "skip" if cpu else "pass", "detail": d if not cpu else {"planned": plan}}
 
