@@ -23,12 +23,8 @@ from fairseq_corpus import make_translation_corpus, run_fairseq_train
 
 pytest.importorskip("fairseq")
 
-TINY_MT = [
-    "--encoder-layers", "1", "--decoder-layers", "1",
-    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-]
+from test_fairseq_plugin import TINY_MT  # noqa: E402  (the plugin tests' tiny translation model)
+
 FP16 = [
     "--cpu", "--distributed-backend", "gloo", "--dropout", "0", "--attention-dropout", "0",
     "--optimizer", "adam", "--lr", "0.003", "--seed", "3", "--no-epoch-checkpoints", "--num-workers", "0",
