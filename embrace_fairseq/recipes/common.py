@@ -32,6 +32,38 @@ RUN_ARGS = ["--seed", "1", "--num-workers", "0", "--log-format", "json", "--log-
             "--no-epoch-checkpoints"]
 
 
+#: where a recipe writes its results file and plot: an ignored folder, so that running a
+#: recipe never changes the tracked tree (``--record`` writes into ``results/`` instead,
+#: the committed results the README cites)
+RUN_RESULTS = REPO_ROOT / "work_dirs" / "results"
+RECORDED_RESULTS = REPO_ROOT / "results"
+
+
+def add_results_args(p) -> None:
+    """``--results DIR`` and ``--record`` (write the committed results in ``results/``)."""
+    p.add_argument("--results", type=Path, default=None,
+                   help=f"folder for the results file and plot (default {RUN_RESULTS.relative_to(REPO_ROOT)}/, "
+                        "ignored by git)")
+    p.add_argument("--record", action="store_true",
+                   help="write the results into results/, the committed files the README cites")
+
+
+def results_dir(a) -> Path:
+    """The folder ``--results`` / ``--record`` name (one of them at most).
+
+    >>> import argparse
+    >>> results_dir(argparse.Namespace(results=None, record=False)) == RUN_RESULTS
+    True
+    >>> results_dir(argparse.Namespace(results=None, record=True)) == RECORDED_RESULTS
+    True
+    """
+    if a.results is not None and a.record:
+        raise SystemExit("--results and --record name two places for the results: give one")
+    if a.results is not None:
+        return a.results
+    return RECORDED_RESULTS if a.record else RUN_RESULTS
+
+
 def tool(name: str) -> str:
     path = BIN / name
     if path.exists():

@@ -4,7 +4,7 @@
 
 Prepares the data (idempotent), trains with ``torchrun ... fairseq-train --user-dir
 user_dir --task language_modeling``, scores the held-out years with ``fairseq-eval-lm``
-and writes ``results/lm[_<arch>].json`` (with the command typed and the commit it ran on)
+and writes ``work_dirs/results/lm[_<arch>].json`` (``--record``: ``results/``) (with the command typed and the commit it ran on)
 and a loss-curve PNG. ``--arch transformer_lm`` is the stock model with the same budget.
 The job reports no set-up or data minutes (its figures do not depend on them), so one
 file per architecture holds its latest run.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from embrace_fairseq.perf.provenance import source_state
-from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, RUN_ARGS, USER_DIR, fresh_save_dir, json_records, start_run,
+from embrace_fairseq.recipes.common import (ADAM_INVERSE_SQRT, REPO_ROOT, add_results_args, results_dir, RUN_ARGS, USER_DIR, fresh_save_dir, json_records, start_run,
                                           plot_losses, progress_printer, stream, tool, torchrun_train_cmd,
                                           versions)
 
@@ -41,9 +41,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--max-update", type=int, default=150)
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / "work_dirs" / "lm")
-    p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
+    add_results_args(p)
     p.add_argument("--skip-data", action="store_true")
     a = p.parse_args(argv)
+    a.results = results_dir(a)
     t0 = time.time()
     tag, work = start_run("lm", a.arch, "embrace_transformer_lm", a.work_dir, a.data, a.skip_data, only="lm")
     data_bin = a.data / "lm" / "bin"

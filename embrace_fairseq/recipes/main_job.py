@@ -7,8 +7,9 @@
    for what the time budget leaves (``--stop-time-hours``) or ``--max-update`` updates,
 3. translates the held-out test modules with ``fairseq-generate``,
 4. scores detokenised output with sacrebleu (BLEU and chrF, with signatures),
-5. writes ``results/main_job[_<arch>].<kind>.json`` and its loss curve
-   ``results/main_job[_<arch>].<kind>.loss.png``, where the kind of run is ``from_nothing``
+5. writes ``main_job[_<arch>].<kind>.json`` and its loss curve
+   ``main_job[_<arch>].<kind>.loss.png`` to ``work_dirs/results/`` (ignored by git; with
+   ``--record``, to ``results/``, the committed files the README cites), where the kind of run is ``from_nothing``
    (this job created the environment or prepared the data) or ``warm`` (both were there):
    the set-up and data minutes, and so the training minutes the budget leaves, differ by
    kind, so each kind keeps its own file and a later run of one never overwrites the
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from embrace_fairseq.perf.provenance import source_state
-from embrace_fairseq.recipes.common import (REPO_ROOT, adam_inverse_sqrt, RUN_ARGS, USER_DIR, child_env,
+from embrace_fairseq.recipes.common import (REPO_ROOT, adam_inverse_sqrt, add_results_args, results_dir, RUN_ARGS, USER_DIR, child_env,
                                           fresh_save_dir, json_records, start_run, plot_losses, progress_printer, stream, tool,
                                           torchrun_train_cmd, versions)
 
@@ -121,7 +122,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         "(for a run to compare with: the updates of results/main_job.warm.json and --time-budget 0)")
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / "work_dirs" / "main_job")
-    p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
+    add_results_args(p)
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--skip-data", action="store_true", help="use the prepared data as it is")
     p.add_argument("--skip-train", action="store_true", help="evaluate the checkpoint of an earlier run")
@@ -193,6 +194,7 @@ def _setup_seconds(t0: float) -> Optional[float]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parse(argv)
+    a.results = results_dir(a)
     t0 = time.time()
     t_setup = _setup_seconds(t0)
     launcher_start = None if t_setup is None else t0 - t_setup

@@ -38,28 +38,41 @@ def _steps(events):
     return steps
 
 
+def _encoder_buckets(res):
+    encoder = {b for b, names in res["buckets"].items() if all(x.startswith("encoder.") for x in names)}
+    assert encoder, res["buckets"]
+    return encoder
+
+
 # default run: ~20 s on 2 loaded cores (one DeepSpeed start-up per rank, two engines)
-def test_tied_translation_gate_opens_for_the_encoder(tmp_path):
+def test_tied_translation_gate_balanced_and_closed_during_exchanges(tmp_path):
+    """What the gate guarantees whatever the machine's load: entered and left once per
+    exchange, open at the end of every step, and no dense piece while an exchange runs."""
     results = run_ranks(R.gate_run, 2, str(tmp_path / "gate"), timeout_s=300, pg_timeout_s=120)
     for rank, by_variant in enumerate(results):
         for variant, res in by_variant.items():
             where = (rank, variant)
             n = R.EXCHANGES[variant]
-            # entered and left once per exchange: open (balanced) at the end of every step
             assert res["after_step"] == [{"open": True, "entered": n * k, "left": n * k}
                                          for k in range(1, R.STEPS + 1)], (where, res["after_step"])
-            encoder = {b for b, names in res["buckets"].items() if all(x.startswith("encoder.") for x in names)}
-            assert encoder, res["buckets"]
-            steps = _steps(res["events"])
-            assert len(steps) == R.STEPS
-            early = [sum(1 for ts, b in pieces if b in encoder and ts < ready) for ready, pieces in steps]
-            # the encoder's pieces start while its backward runs, before the last gradient
-            # is ready: in some step (a gate closed through the backward fails every step;
-            # on a loaded machine the communication thread may miss most steps' windows,
-            # and a clean-clone CI run once saw the pieces early in 1 step of 4)
-            assert any(k > 0 for k in early), (where, early)
-            # and never while an exchange is in flight
+            _encoder_buckets(res)
+            assert len(_steps(res["events"])) == R.STEPS
             exch = [(e["ts"], e["ts"] + e["dur"]) for e in res["events"] if e["name"] == "grad_rows"]
             assert len(exch) == n * R.STEPS, where
             dense = [e["ts"] for e in res["events"] if e["name"] == "dense_grad"]
             assert not [t for t in dense for s, end in exch if s < t < end], where
+
+
+@pytest.mark.slow  # timing: needs a core free for the communication thread
+def test_tied_translation_gate_opens_for_the_encoder(tmp_path):
+    """The encoder's pieces start while its backward runs, before the last gradient is
+    ready, in some step (a gate closed through the backward fails every step). When the
+    communication thread gets the core in time is up to the machine's load, so this runs
+    in the slow suite, on an otherwise idle machine."""
+    results = run_ranks(R.gate_run, 2, str(tmp_path / "gate"), timeout_s=300, pg_timeout_s=120)
+    for rank, by_variant in enumerate(results):
+        for variant, res in by_variant.items():
+            encoder = _encoder_buckets(res)
+            early = [sum(1 for ts, b in pieces if b in encoder and ts < ready)
+                     for ready, pieces in _steps(res["events"])]
+            assert any(k > 0 for k in early), ((rank, variant), early)
