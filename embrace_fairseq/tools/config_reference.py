@@ -175,6 +175,7 @@ def _flag_default(flag: Flag) -> str:
 def render(flags: Iterable[Flag], keys: Iterable[Key]) -> str:
     """The page, as markdown."""
     flags, keys = list(flags), list(keys)
+    every_model = {m for f in flags for m in f.models}
     lines = [
         "# Configuration reference",
         "",
@@ -187,7 +188,8 @@ def render(flags: Iterable[Flag], keys: Iterable[Key]) -> str:
         "",
         "## fairseq flags (`--user-dir user_dir`)",
         "",
-        f"{len(flags)} flags, on the EmbRace architectures that list them. Under `embrace-hydra-train` each is",
+        f"{len(flags)} flags, on the EmbRace models that list them (all: {', '.join(sorted(every_model))}).",
+        "Under `embrace-hydra-train` each is",
         "a `+model.embrace_*` override (`--embrace-output gather` is `+model.embrace_output=gather`).",
         "`embrace-ds-train` takes the same flags; where the `\"embrace\"` section sets the same option",
         "(`output`, `shard_layout`, `exchange`, `ranks_per_node`), a flag and a key that disagree stop",
@@ -197,10 +199,10 @@ def render(flags: Iterable[Flag], keys: Iterable[Key]) -> str:
         "|---|---|---|---|---|",
     ]
     for f in flags:
+        models = "all" if set(f.models) == every_model else ", ".join(f"`{m}`" for m in f.models)
         values = ", ".join(f"`{c}`" for c in f.choices) if f.choices else (
             "a switch" if f.switch else f"`{f.metavar}`" if f.metavar else "a value")
-        lines.append(f"| `{f.name}` | {values} | `{_flag_default(f)}` | "
-                     f"{', '.join(f'`{m}`' for m in f.models)} | {f.help} |")
+        lines.append(f"| `{f.name}` | {values} | `{_flag_default(f)}` | {models} | {f.help} |")
     lines += [
         "",
         "## DeepSpeed: the `\"embrace\"` section",

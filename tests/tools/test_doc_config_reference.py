@@ -55,7 +55,7 @@ def test_a_new_flag_or_key_appears_without_an_edit_of_the_generator():
     assert keys["model_level"].description == "first line continued."
     assert keys["brand_new"].default == 3 and keys["brand_new"].description == R.NO_DESCRIPTION
     page = R.render([flag], keys.values())
-    assert "| `--embrace-new-thing` | `a`, `b` | `a` | `embrace_x` | does a \\| b |" in page
+    assert "| `--embrace-new-thing` | `a`, `b` | `a` | all | does a \\| b |" in page
     assert "| `brand_new` |" in page and "20 keys" in page
 
 
