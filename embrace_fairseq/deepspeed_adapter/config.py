@@ -34,8 +34,8 @@ class EmbraceConfig:
     exchange_gate: with the model level, hold new dense pieces back while an embedding
         gradient exchange is in flight, so that it goes first. Off by default: where the
         step waits for every gradient a held piece only idles the link, and with
-        next-forward overlap it was slower too on the benchmark's models
-        (docs/DEEPSPEED.md); for a machine whose link, not its ranks' drift, limits the
+        next-forward overlap it did not pay on the benchmark's models
+        (docs/PERFORMANCE.md); for a machine whose link, not its ranks' drift, limits the
         exchange the next forward waits for.
     tensor_level: cut buckets into pieces of ``piece_bytes`` (off: whole buckets).
     overlap: issue the all-reduces during backward (off: after backward, like stock DeepSpeed).
@@ -70,7 +70,7 @@ class EmbraceConfig:
         the first step). ``embrace-ds-train`` builds the model with it directly.
     exchange: the route of embedding lookups, ``"auto"``, ``"node"`` or ``"flat"``
         (:mod:`embrace_fairseq.core.node_exchange`; the same as ``--embrace-exchange``).
-        ``None`` keeps what the tables were built with (``"auto"`` unless the flag said
+        ``None`` keeps what the tables were built with (``"flat"`` unless the flag said
         otherwise).
     ranks_per_node: ranks on each node for the node-aware exchange (``None``:
         ``EMBRACE_RANKS_PER_NODE``, else the launcher's ``LOCAL_WORLD_SIZE``).
@@ -82,8 +82,10 @@ class EmbraceConfig:
         The same gradients.
     two_level_allreduce: on several nodes of several ranks, all-reduce the dense pieces
         in two levels on gloo (inside the node, across on the rails, inside again: less
-        across nodes). Default ``false`` (one ring over all ranks): on the emulated 2 x 2
-        cluster the ring was faster (results/bench/nodes_2x2_lm).
+        across nodes). Default ``false`` (one ring over all ranks): NCCL already builds
+        node-aware rings and trees, and the two levels have run on emulated nodes only, faster
+        than one ring on the translation model (results/bench/regime/nodes_2x2) and slower on
+        the untied LM (results/bench/nodes_2x2_ablation); docs/PERFORMANCE.md.
     """
 
     model_level: bool = True

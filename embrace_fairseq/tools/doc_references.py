@@ -3,7 +3,7 @@
 ``python -m embrace_fairseq.tools.doc_references [--root DIR]`` prints one line per broken
 reference (``page:line: kind 'text': why``) and exits 1 if there is any; it also lists the
 folders under ``results/`` that no page cites (a results folder nobody cites does not
-belong in the tree).
+belong in the tree) and those ``results/README.md`` does not map to a claim.
 
 What counts as a reference, in a page's text (code spans, code blocks and links alike):
 
@@ -51,6 +51,8 @@ _OPTION_TUPLE = re.compile(r"""\(\s*['"]([a-z][a-z0-9-]*)=?['"],\s*(?:['"]\w['"]
 _PLACEHOLDER = re.compile(r"[<>{}$]|\.\.\.")
 #: distributions, not scripts, that share the scripts' prefixes
 _DISTRIBUTIONS = {"embrace-fairseq", "fairseq-fixed"}
+#: the results index: each folder of results/, the claim it supports and the page that makes it
+INDEX = "README.md"
 
 
 @dataclass(frozen=True)
@@ -224,18 +226,42 @@ def uncited_results(root: Path = ROOT, texts: Optional[Iterable[str]] = None) ->
     results file a page names (a pooled table cites the runs it pools)."""
     corpus = "\n".join([p.read_text() for p in pages(root)] if texts is None else texts)
     results = root / "results"
-    cited_files = [f for f in sorted(results.rglob("*.md")) if str(f.relative_to(root)) in corpus]
+    # the index names every folder: it is not a citation of them
+    cited_files = [f for f in sorted(results.rglob("*.md"))
+                   if str(f.relative_to(root)) in corpus and f != results / INDEX]
     corpus += "\n".join(f.read_text() for f in cited_files)
-    folders = sorted(p for p in results.glob("*") if p.is_dir()) + sorted(p for p in results.glob("*/*") if p.is_dir())
-    return [str(f.relative_to(root)) for f in folders if not _names(str(f.relative_to(root)), corpus)]
+    return [str(f.relative_to(root)) for f in _results_folders(root) if not _names(str(f.relative_to(root)), corpus)]
+
+
+def _results_folders(root: Path) -> List[Path]:
+    results = root / "results"
+    return sorted(p for p in results.glob("*") if p.is_dir()) + sorted(p for p in results.glob("*/*") if p.is_dir())
+
+
+def index_problems(root: Path = ROOT) -> List[str]:
+    """``results/README.md`` maps every results folder (two levels) to its claim and page, and
+    names no path that is gone. A tree without the index has nothing to check."""
+    index = root / "results" / INDEX
+    if not index.exists():
+        return []
+    text = index.read_text()
+    named = {m.strip() for m in _CODE_SPAN.findall(text) if m.startswith("results/")}
+    def indexed(folder: str) -> bool:  # itself, or what it holds (results/bench holds its runs)
+        return any(n == folder or n.startswith(folder + "/") for n in named)
+
+    out = [f"{f.relative_to(root)}: not in results/{INDEX}" for f in _results_folders(root)
+           if not indexed(str(f.relative_to(root)))]
+    out += [f"results/{INDEX}: {n}: no such file or folder" for n in sorted(named) if not _exists(root / n)]
+    return out
 
 
 def check(root: Path = ROOT) -> List[str]:
-    """Every problem of every page, and every uncited results folder, as lines."""
+    """Every problem of every page, every uncited results folder and every gap of the results
+    index, as lines."""
     flags, scripts = known_flags(root), console_scripts()
     lines = [str(p) for page in pages(root) for p in check_page(page, root, flags=flags, scripts=scripts)]
     lines += [f"{r}: no page cites this results folder" for r in uncited_results(root)]
-    return lines
+    return lines + index_problems(root)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

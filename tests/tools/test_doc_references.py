@@ -60,3 +60,20 @@ def test_uncited_results_folders_are_listed(tmp_path):
     assert D.uncited_results(root) == ["results/bench/stray_run"]
     (root / "README.md").write_text("Runs: `results/bench/cited_run`.\n")
     assert D.uncited_results(root) == ["results/bench/pooled_run", "results/bench/stray_run"]
+
+
+def test_the_results_index_maps_every_folder_and_is_no_citation(tmp_path):
+    root = _tree(tmp_path)
+    (root / "results" / "README.md").write_text(
+        "| path | claim | page |\n|---|---|---|\n| `results/bench/cited_run` | a claim | README |\n"
+        "| `results/bench/gone` | an old claim | nowhere |\n")
+    assert D.index_problems(root) == [
+        "results/bench/pooled_run: not in results/README.md",
+        "results/bench/stray_run: not in results/README.md",
+        "results/README.md: results/bench/gone: no such file or folder",
+    ]
+    # a page that links the index does not cite every folder the index names
+    (root / "README.md").write_text("Runs: `results/bench/cited_run`; the index: `results/README.md`.\n")
+    (root / "results" / "README.md").write_text("`results/bench/stray_run` `results/bench/pooled_run`\n")
+    assert D.uncited_results(root) == ["results/bench/pooled_run", "results/bench/stray_run"]
+    assert D.index_problems(root) == ["results/bench/cited_run: not in results/README.md"]
