@@ -1,11 +1,11 @@
-"""The README's main-job table, rendered from the runs' results files.
+"""The main-job table of docs/PERFORMANCE.md, rendered from the runs' results files.
 
-``python -m embrace_fairseq.recipes.results_table [--results results] [--write README.md]``
+``python -m embrace_fairseq.recipes.results_table [--results results] [--write docs/PERFORMANCE.md]``
 
 Prints the table of the main job's results files, one row per architecture and kind of
 run (``results/main_job.from_nothing.json``, ``results/main_job.warm.json``: EmbRace;
 ``results/main_job_transformer.warm.json``: the stock architecture, same recipe); with
-``--write`` replaces the block between the ``main-job-table`` markers of the README, so
+``--write`` replaces the block between the ``main-job-table`` markers of that page, so
 the figures a reader sees are those of the files in the repository, never typed by hand.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.recipes.common import REPO_ROOT
 
-BEGIN = "<!-- main-job-table:begin (python -m embrace_fairseq.recipes.results_table --write README.md) -->"
+BEGIN = "<!-- main-job-table:begin (python -m embrace_fairseq.recipes.results_table --write docs/PERFORMANCE.md) -->"
 END = "<!-- main-job-table:end -->"
 
 #: (results file, row label): one row per architecture and kind of run
@@ -84,9 +84,9 @@ def write(readme: Path, table: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Render the README's main-job table from the results files.")
+    p = argparse.ArgumentParser(description="Render the main-job table of docs/PERFORMANCE.md from the results files.")
     p.add_argument("--results", type=Path, default=REPO_ROOT / "results")
-    p.add_argument("--write", type=Path, default=None, help="README whose main-job-table block to replace")
+    p.add_argument("--write", type=Path, default=None, help="page whose main-job-table block to replace")
     a = p.parse_args(argv)
     table = render(a.results)
     if a.write is not None:
