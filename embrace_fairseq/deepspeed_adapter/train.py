@@ -23,7 +23,6 @@ Launch with ``deepspeed --num_gpus N $(which embrace-ds-train) ...`` or ``torchr
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import sys
@@ -146,7 +145,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from embrace_fairseq.deepspeed_adapter.config import split_config
+    from embrace_fairseq.deepspeed_adapter.config import load_json_config, split_config
     from embrace_fairseq.deepspeed_adapter.fairseq_options import apply_fairseq_options
     from embrace_fairseq.deepspeed_adapter.trainer import DeepSpeedSetup
 
@@ -158,8 +157,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
         args.cpu = True
         if not _given(raw_argv, "--distributed-backend"):
             args.distributed_backend = "gloo"
-    with open(args.deepspeed_config) as f:
-        raw = json.load(f)
+    raw = load_json_config(args.deepspeed_config)
     section = raw.pop("embrace", None) if isinstance(raw, dict) else None
     _, embrace_cfg = split_config({"embrace": section})  # a bad section stops here
     _output_mode(args, raw_argv, section)
@@ -214,8 +212,8 @@ def _quiet_tensorboardx_notice() -> None:
         lambda record: "tensorboardX" not in record.getMessage())
 
 
+@one_line_errors.command  # a bad config, file or flag ends the command with one line, on every rank
 def main(argv: Optional[List[str]] = None) -> None:
-    one_line_errors.install()  # a bad config or flag ends the command with one line
     _quiet_tensorboardx_notice()
     importlib.import_module("fairseq_cli.train")  # first: it sets up logging as fairseq-train does
     from fairseq.distributed import utils as distributed_utils
