@@ -22,6 +22,7 @@ Launch with ``deepspeed --num_gpus N $(which embrace-ds-train) ...`` or ``torchr
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
@@ -212,8 +213,21 @@ def _quiet_tensorboardx_notice() -> None:
         lambda record: "tensorboardX" not in record.getMessage())
 
 
+def _read_config_early(argv: Optional[List[str]]) -> None:
+    """A missing or malformed ``--deepspeed-config`` stops the command before fairseq is
+    imported (seconds, on every rank); :func:`prepare` reads it again with the flags."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--deepspeed-config")
+    path = early.parse_known_args(sys.argv[1:] if argv is None else argv)[0].deepspeed_config
+    if path is not None:
+        from embrace_fairseq.deepspeed_adapter.config import load_json_config
+
+        load_json_config(path)
+
+
 @one_line_errors.command  # a bad config, file or flag ends the command with one line, on every rank
 def main(argv: Optional[List[str]] = None) -> None:
+    _read_config_early(argv)
     _quiet_tensorboardx_notice()
     importlib.import_module("fairseq_cli.train")  # first: it sets up logging as fairseq-train does
     from fairseq.distributed import utils as distributed_utils
