@@ -12,7 +12,7 @@ from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.core.native_ops import NativeOpsUnavailable
 from embrace_fairseq.guards import one_line_errors as O
 
-from fairseq_corpus import fairseq_env, make_lm_corpus, run_fairseq_tool, venv_script
+from fairseq_corpus import fairseq_env, make_lm_corpus, run_ds_train, run_fairseq_tool, venv_script
 
 EXIT = O.USER_ERROR_EXIT
 
@@ -155,6 +155,20 @@ def test_ds_train_bad_config_file_is_one_line(tmp_path, text, says):
     run = _run([venv_script("embrace-ds-train"), str(tmp_path), "--task", "language_modeling", "--cpu",
                 "--deepspeed-config", str(config)])
     _assert_one_line(run, "ConfigFileError:", str(config), says)
+
+
+@pytest.mark.slow  # ~15 s idle: the deepspeed launcher and two ranks start up
+def test_ds_train_malformed_config_under_the_launcher_is_one_line_per_rank(tmp_path):
+    """Under the deepspeed launcher every rank reads the JSON: each prints its own line,
+    with its rank, and the launcher ends with the ranks' status."""
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 8,}')
+    run = run_ds_train(tmp_path, ["--task", "language_modeling"], config, nproc=2, timeout=300)
+    assert run.returncode == EXIT, run.output[-3000:]
+    lines = sorted(_error_lines(run.stdout + "\n" + run.stderr))
+    assert [line.split(" ConfigFileError: ")[0] for line in lines] == [
+        "embrace: error: (rank 0)", "embrace: error: (rank 1)"], run.output[-3000:]
+    assert all("is not valid JSON" in line for line in lines) and "Traceback" not in run.output
 
 
 @pytest.mark.slow  # ~10 s idle: hydra composes fairseq's config
