@@ -1,8 +1,8 @@
 """embrace_fairseq: vocab-sharded embeddings with AlltoAll for fairseq and DeepSpeed.
 
-CPU machines: install with ``scripts/setup.sh`` (pins torch 2.13.0, the CPU wheel,
-before anything can pull a multi-GB CUDA build). GPU machines: install your own
-CUDA torch first, then ``pip install --no-build-isolation -e .``.
+CPU machines: install with ``scripts/setup.sh`` (torch 2.13.0+cpu from PyTorch's CPU
+wheel index, before anything can pull a multi-GB CUDA build). GPU machines: install your
+own CUDA torch first, then ``scripts/setup_gpu.sh``. docs/INSTALL.md has both.
 
 The native ops in ``csrc/`` are an optional extension (``embrace_fairseq._native``):
 built when torch and a C++ compiler are at hand (with the CUDA kernels when nvcc and
@@ -105,12 +105,12 @@ _ext_modules, _cmdclass = _native_extension()
 
 
 def _requirements():
-    # The exact pins live in requirements/cpu-constraints.txt; install_requires only
-    # states compatibility so a GPU user's own torch build is kept.
+    # Ranges only: the exact versions tested live in requirements/*-constraints.txt, and a
+    # range keeps a cluster's own torch and DeepSpeed instead of replacing them.
     return [
         "torch>=2.1",
-        "fairseq-fixed==0.12.3.1",
-        "deepspeed==0.19.8",
+        "fairseq-fixed>=0.12.3,<0.13",  # the fairseq 0.12 API (fairseq-fixed: fairseq 0.12.2 + install fixes)
+        "deepspeed>=0.19",
         "sacrebleu>=2.4",
         "sentencepiece>=0.2",
         "numpy",

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.data_prep.errors import DataPrepError
 from embrace_fairseq.data_prep.pipeline import (
     DEFAULT_LM_TEST_FROM,
@@ -19,6 +20,11 @@ from embrace_fairseq.data_prep.pipeline import (
     prepare_lm,
 )
 from embrace_fairseq.data_prep.manifest import load_manifest, write_manifest
+from embrace_fairseq.guards import one_line_errors
+
+
+class NotAFolderError(UserError, ValueError):
+    """A folder option names an existing file."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@one_line_errors.command
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    for flag, path in (("--out", args.out), ("--cache", args.cache)):
+        if path is not None and path.exists() and not path.is_dir():
+            raise NotAFolderError(f"{flag} {path} is a file; name a folder (it is created if missing)")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     start = time.perf_counter()
@@ -61,9 +71,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.only in ("all", "lm"):
             prepare_lm(args.out, args.cache, args.lm_vocab_size, args.lm_valid_from,
                        args.lm_test_from, force=args.force)
-    except DataPrepError as exc:
-        print(f"data preparation failed: {exc}", file=sys.stderr)
-        return 2
+    except DataPrepError as exc:  # a download, a package or a tool outside the code
+        print(one_line_errors.one_line(exc), file=sys.stderr)
+        return one_line_errors.USER_ERROR_EXIT
     write_manifest(args.out, load_manifest(args.out))
     logging.getLogger(__name__).info("finished in %.1f s; manifest: %s",
                                      time.perf_counter() - start, args.out / "manifest.json")

@@ -150,13 +150,32 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
     return EmbraceConfig(**values)
 
 
+class ConfigFileError(EmbraceConfigError):
+    """The ``--deepspeed-config`` file is missing, unreadable, not JSON or not a JSON object."""
+
+
+def load_json_config(path: str) -> Dict[str, Any]:
+    """The JSON object in ``path``; a missing file or malformed JSON stops with
+    :class:`ConfigFileError` naming the file (and the line and column of the JSON error)."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read the DeepSpeed config {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"the DeepSpeed config {path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigFileError(f"the DeepSpeed config {path} must hold a JSON object ({{...}}), "
+                              f"not a {type(config).__name__}")
+    return config
+
+
 def split_config(config: Union[None, str, Mapping[str, Any]]) -> Tuple[Optional[Dict[str, Any]], EmbraceConfig]:
     """(DeepSpeed config without the section, parsed section). ``config`` is a dict or a JSON path."""
     if config is None:
         return None, EmbraceConfig()
     if isinstance(config, str):
-        with open(config) as f:
-            config = json.load(f)
+        config = load_json_config(config)
     if not isinstance(config, Mapping):
         raise EmbraceConfigError(f"a DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
     ds = copy.deepcopy(dict(config))

@@ -22,8 +22,8 @@ Launch with ``deepspeed --num_gpus N $(which embrace-ds-train) ...`` or ``torchr
 """
 from __future__ import annotations
 
+import argparse
 import importlib
-import json
 import logging
 import os
 import sys
@@ -146,7 +146,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from embrace_fairseq.deepspeed_adapter.config import split_config
+    from embrace_fairseq.deepspeed_adapter.config import load_json_config, split_config
     from embrace_fairseq.deepspeed_adapter.fairseq_options import apply_fairseq_options
     from embrace_fairseq.deepspeed_adapter.trainer import DeepSpeedSetup
 
@@ -158,8 +158,7 @@ def prepare(argv: Optional[List[str]] = None) -> Any:
         args.cpu = True
         if not _given(raw_argv, "--distributed-backend"):
             args.distributed_backend = "gloo"
-    with open(args.deepspeed_config) as f:
-        raw = json.load(f)
+    raw = load_json_config(args.deepspeed_config)
     section = raw.pop("embrace", None) if isinstance(raw, dict) else None
     _, embrace_cfg = split_config({"embrace": section})  # a bad section stops here
     _output_mode(args, raw_argv, section)
@@ -214,8 +213,21 @@ def _quiet_tensorboardx_notice() -> None:
         lambda record: "tensorboardX" not in record.getMessage())
 
 
+def _read_config_early(argv: Optional[List[str]]) -> None:
+    """A missing or malformed ``--deepspeed-config`` stops the command before fairseq is
+    imported (seconds, on every rank); :func:`prepare` reads it again with the flags."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--deepspeed-config")
+    path = early.parse_known_args(sys.argv[1:] if argv is None else argv)[0].deepspeed_config
+    if path is not None:
+        from embrace_fairseq.deepspeed_adapter.config import load_json_config
+
+        load_json_config(path)
+
+
+@one_line_errors.command  # a bad config, file or flag ends the command with one line, on every rank
 def main(argv: Optional[List[str]] = None) -> None:
-    one_line_errors.install()  # a bad config or flag ends the command with one line
+    _read_config_early(argv)
     _quiet_tensorboardx_notice()
     importlib.import_module("fairseq_cli.train")  # first: it sets up logging as fairseq-train does
     from fairseq.distributed import utils as distributed_utils

@@ -62,6 +62,7 @@ import torch
 
 from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.core.process_group import free_port
+from embrace_fairseq.guards import one_line_errors
 
 logger = logging.getLogger(__name__)
 
@@ -211,9 +212,15 @@ def _refuse_tpu_mode_without_xla(cfg: Any) -> None:
         "DeepSpeed config with \"bf16\")")
 
 
+class CpuSpawnError(UserError, ValueError):
+    """``--cpu --distributed-world-size N`` with flags that spawning CPU ranks cannot honour."""
+
+
 def _wrap_call_main(orig: Callable, du: Any) -> Callable:
     @functools.wraps(orig)
     def _call_main(cfg: Any, main: Callable, **kwargs: Any) -> None:
+        # a user error ends main with one line, here or in each spawned rank
+        main = one_line_errors.guarded(main)
         _refuse_tpu_mode_without_xla(cfg)
         dt = cfg.distributed_training
         spawn_on_cpu = (
@@ -235,13 +242,13 @@ def _wrap_call_main(orig: Callable, du: Any) -> Callable:
         # assert the world size fits the GPUs): nothing trains. On CPU, spawning means one
         # machine running the whole job, so spawn world_size processes here.
         if dt.distributed_rank not in (None, 0):
-            raise ValueError(
+            raise CpuSpawnError(
                 "spawning CPU processes covers one machine (ranks 0..world_size-1), but "
                 f"--distributed-rank is {dt.distributed_rank}; start multi-machine CPU jobs "
                 "with torchrun (--nnodes/--node_rank)."
             )
         if dt.distributed_backend == "nccl":
-            raise ValueError(
+            raise CpuSpawnError(
                 "NCCL needs GPUs; for a CPU job pass --distributed-backend gloo"
             )
         if dt.distributed_init_method is None:

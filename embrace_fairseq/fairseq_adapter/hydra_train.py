@@ -18,12 +18,30 @@ instead of training each rank alone.
 """
 from __future__ import annotations
 
+import os
 
+from embrace_fairseq.core.errors import UserError
+from embrace_fairseq.guards import one_line_errors
+
+
+class HydraConfigError(UserError, ValueError):
+    """The hydra configuration does not compose: a config not found, an override hydra
+    cannot parse or apply."""
+
+
+@one_line_errors.command
 def main() -> None:
     import embrace_fairseq.fairseq_adapter  # noqa: F401  (the fixes and the architectures, before fairseq reads the config)
     from fairseq_cli.hydra_train import cli_main
+    from hydra.errors import CompactHydraException
 
-    cli_main()
+    # hydra prints the errors of the job itself and exits 1: let them through, so that a
+    # user error is one line and status 2 as in every EmbRace command
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        cli_main()
+    except CompactHydraException as exc:  # the errors hydra itself reports without a traceback
+        raise HydraConfigError(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from embrace_fairseq.guards import one_line_errors
+
 #: dense bf16/fp16 tensor-core peaks from NVIDIA's datasheets (no sparsity), TFLOP/s
 DATASHEET_PEAK_TFLOPS: Dict[str, float] = {"V100": 125.0, "A100": 312.0, "H100": 989.0, "H200": 989.0}
 #: the GPU each regime stands for
@@ -387,8 +389,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--out is required (or --table JSON)")
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("embrace: error: --device cuda but no GPU is visible; use --device cpu --tiny", file=sys.stderr)
-        return 2
+        print(f"{one_line_errors.PREFIX}--device cuda but no GPU is visible; use --device cpu --tiny", file=sys.stderr)
+        return one_line_errors.USER_ERROR_EXIT
     result = run(a.models, device, a.tiny, a.steps, a.warmup)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -23,9 +23,11 @@ import argparse
 import copy
 import importlib
 import logging
+import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from embrace_fairseq.core.errors import UserError
+from embrace_fairseq.guards import one_line_errors
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +150,9 @@ def check_loads_as_stock(state: Dict[str, Any]) -> None:
 
 def export(src: str, dst: str, check: bool = True) -> Dict[str, Any]:
     """Read the EmbRace checkpoint ``src``, write the stock one ``dst``; returns the exported dict."""
+    if not os.path.isfile(src):
+        raise ExportError(f"no checkpoint file {src}" + (" (a folder: name a checkpoint_*.pt in it)"
+                                                           if os.path.isdir(src) else ""))
     importlib.import_module("embrace_fairseq.fairseq_adapter")  # registers the architectures for the check
     from embrace_fairseq.fairseq_adapter.compat import fairseq_checkpoint_globals
     from embrace_fairseq.guards.atomic_io import atomic_save, verify
@@ -165,6 +170,7 @@ def export(src: str, dst: str, check: bool = True) -> Dict[str, Any]:
     return out
 
 
+@one_line_errors.command  # a bad checkpoint or a missing file: one line, status 2
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m embrace_fairseq.tools.export_stock",
@@ -176,10 +182,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="skip building the stock model and loading the weights before writing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        out = export(args.checkpoint, args.out, check=not args.no_check)
-    except ExportError as exc:
-        parser.exit(2, f"export_stock: {exc}\n")
+    out = export(args.checkpoint, args.out, check=not args.no_check)
     if isinstance(out["cfg"]["model"], argparse.Namespace):  # the BART family (NAMESPACE_MODELS)
         print(f"wrote {args.out}: a stock BART-family checkpoint; like fairseq's own, it loads where "
               "argparse.Namespace is allowed (with --user-dir user_dir, or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1)")

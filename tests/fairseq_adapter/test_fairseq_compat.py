@@ -340,7 +340,7 @@ def test_bf16_without_torch_xla_is_named(tmp_path: Path) -> None:
          "--memory-efficient-bf16", "--max-update", "1", "--save-dir", str(tmp_path / "ckpt")],
         timeout=120,
     )
-    assert run.returncode == 1, run.output[-3000:]
+    assert run.returncode == 2, run.output[-3000:]
     assert "TpuModeWithoutXlaError: --bf16 turns on fairseq's TPU mode (--tpu)" in run.output, run.output[-3000:]
     assert "On GPUs train with --fp16," in run.output and "Traceback" not in run.output
 

@@ -46,6 +46,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.core.ids import InvalidIdError
 
 #: Must equal ``kApiVersion`` in csrc/embrace_native.h.
@@ -86,8 +87,9 @@ _MODES = ("auto", "0", "1")
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-class NativeOpsUnavailable(RuntimeError):
-    """``EMBRACE_NATIVE=1`` but the extension is missing, stale or lacks the device."""
+class NativeOpsUnavailable(UserError, RuntimeError):
+    """``EMBRACE_NATIVE=1`` but the extension is missing, stale or lacks the device: the
+    user rebuilds it or unsets the variable (the message says how)."""
 
 
 class RowIndexError(InvalidIdError, IndexError):

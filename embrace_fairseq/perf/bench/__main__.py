@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from embrace_fairseq.core.errors import UserError
+from embrace_fairseq.guards import one_line_errors
 from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strategy
 from embrace_fairseq.perf.bench import memory_guard as MG
 from embrace_fairseq.perf.bench import netem_cluster as NC
@@ -250,6 +252,11 @@ def _versions() -> Dict[str, str]:
     return out
 
 
+class BenchOptionError(UserError, ValueError):
+    """A benchmark option this machine cannot run (e.g. an allocator it does not have)."""
+
+
+@one_line_errors.command
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
     if a.cleanup:
@@ -268,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         a.allocator_env, allocator = allocator_env(a.allocator, os.environ)
     except ValueError as exc:
-        raise SystemExit(f"[bench] {exc}") from None
+        raise BenchOptionError(str(exc)) from None
     print(f"[bench] allocator: {allocator}", flush=True)
     from embrace_fairseq.perf.provenance import source_state
 

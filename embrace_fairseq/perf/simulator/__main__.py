@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
+from embrace_fairseq.guards import one_line_errors
 from embrace_fairseq.perf.simulator.measure import measure_translation_profile
 from embrace_fairseq.perf.simulator.paper import latency_sensitivity, markdown, paper_study, plot
 from embrace_fairseq.perf.simulator.profile import Options
@@ -171,8 +172,8 @@ def _validate(a: argparse.Namespace) -> int:
             oos = out_of_sample(bench, fit_on=a.fit_on, tied=tied, opts=opts,
                                 oversubscription=not a.no_oversubscription)
         except ValueError as exc:  # e.g. --fit-on names no run of the bench
-            print(f"out of sample: {exc}", file=sys.stderr)
-            return 2
+            print(f"{one_line_errors.PREFIX}--out-of-sample: {exc}", file=sys.stderr)
+            return one_line_errors.USER_ERROR_EXIT
         _print_out_of_sample(oos)
         _write_json(oos, a.out)
         return 1 if oos["skipped"] else 0
