@@ -167,6 +167,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             gate.add_enter_listener(self._gate_entering)
         # single-thread mode: the host-side vote of the fences, and the fence itself
         self._vote_group = self._vote_group_for(group, self.world_size) if self.single_thread else None
+        self._board = self._board_for(self._vote_group)  # what peers issued, for a rank at a fence
+        self._backward_seq = -1  # reduced backwards begun, counted in _reset (the same on every rank)
         #: fence votes taken (single-thread mode), for logs and tests
         self.fence_rounds = 0
         #: the parameters (indices) without a gradient in the last reduced step
@@ -227,6 +229,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._next = 0  # single-thread mode: index of the next piece of the issue list
+        self._segment = 0  # single-thread mode: fence votes taken in this backward
+        self._backward_seq += 1
         self._zeroed: set = set()  # single-thread mode: parameters a fence completed with zeros
         self._no_grad: set = set()  # parameters without a gradient in this backward
         self._bw_events: List[Any] = []  # CUDA: events at the first hook and at the end of backward
