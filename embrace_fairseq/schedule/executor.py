@@ -71,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.core.node_topology import NodeGroups, NodeTopology, node_groups
-from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.core.trace import Tracer, clock_name
 from embrace_fairseq.schedule import rates
 from embrace_fairseq.schedule.completion import CompletionMixin
 from embrace_fairseq.schedule.gate import ExchangeGate, gate_scope
@@ -363,8 +363,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             return
         t0, t1 = (collectives.event_us(ev, self.device) for ev in self._bw_events)
         self._bw_events = []
-        if self.trace_backward:  # the tracer's clock is perf_counter's in us, as event_us's
-            self.tracer.compute("backward", t0, t1)
+        if self.trace_backward:  # timed on the device, as its collectives
+            self.tracer.compute("backward", t0, t1, clock=clock_name(self.device))
         self._backward_s = (t1 - t0) / 1e6
 
     def _mark_all(self) -> None:
