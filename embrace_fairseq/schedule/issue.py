@@ -200,8 +200,10 @@ class IssueMixin:
             self._catch_up(agreed)
         self._segment += 1  # on every rank: the posts of the next segment start here
 
-    #: seconds between two reads of the issue board while a vote is in flight (at most)
-    BOARD_POLL_S = 1e-3
+    #: seconds a vote may take before the issue board is read (a vote whose ranks all came
+    #: returns sooner; the board matters only where a peer is held up), and between reads
+    BOARD_AFTER_S = 2e-3
+    BOARD_POLL_S = 2e-3
 
     def _vote_max(self, n: int) -> int:
         """The largest count issued on any rank (``n`` here). While the vote is in flight
@@ -213,11 +215,13 @@ class IssueMixin:
         t = torch.tensor([n], dtype=torch.long)
         with collectives.fences_off():
             pending = collectives.all_gather_async(t, self._vote_group)
-        pause = self.BOARD_POLL_S / 16
+        began = time.perf_counter()
+        pause = 2e-5
         while not pending.done():
-            ahead = self._board.furthest(self._backward_seq, self._segment)
-            if ahead > self._next:
-                self._catch_up(ahead)
+            if time.perf_counter() - began >= self.BOARD_AFTER_S:
+                ahead = self._board.furthest(self._backward_seq, self._segment)
+                if ahead > self._next:
+                    self._catch_up(ahead)
             time.sleep(pause)
             pause = min(2 * pause, self.BOARD_POLL_S)
         return max(int(v.item()) for v in pending.wait())

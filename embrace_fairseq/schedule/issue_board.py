@@ -42,6 +42,7 @@ class IssueBoard:
         me = dist.get_rank()
         self._mine = str(me)
         self._peers = [str(r) for r in ranks if r != me]
+        self.post(-1, 0, 0)  # every key exists once every rank built its board: one read for all
 
     def post(self, backward: int, segment: int, count: int) -> None:
         """This rank has issued (or is about to issue) ``count`` pieces of the list."""
@@ -51,11 +52,13 @@ class IssueBoard:
         """The largest count a peer posted for this backward and segment (0: none). A post
         of another segment is ignored: a peer past the fence issues the next segment's
         pieces after the collective this rank is about to issue."""
+        if self._store.check(self._peers):
+            posts = self._store.multi_get(self._peers)
+        else:  # a peer has not built its board yet: it has posted nothing
+            posts = [self._store.get(p) for p in self._peers if self._store.check([p])]
         best = 0
-        for peer in self._peers:
-            if not self._store.check([peer]):
-                continue
-            b, s, c = (int(x) for x in self._store.get(peer).decode().split())
+        for post in posts:
+            b, s, c = (int(x) for x in post.decode().split())
             if b == backward and s == segment:
                 best = max(best, c)
         return best
