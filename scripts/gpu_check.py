@@ -25,6 +25,8 @@ driver collects them into ``gpu_check.json`` under ``--out`` (default ``$OUT``, 
   next forward; device end times of a delayed collective).
 * ``deepspeed_fp16_skip``: fp16 ZeRO-1 with ``compute_grad_norm: false``: a NaN shard
   gradient skips the step for dense weights and shards alike.
+* ``one_clock``: see :mod:`gpu_check_clock` (a trace's phases, pieces and backward all on
+  the device's clock, behind a device delay; a trace over two clocks refused).
 
 ``--cpu-smoke``: the same drivers on CPU/gloo where CPU can run them, the GPU-only ones
 planned but not run (their command lines are recorded). ``--dry-run``: the plan only (checks,
@@ -49,10 +51,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests" / "harness"
 
 #: In running order: the quick, most telling checks first, the training runs last (what
 #: the time limit cuts, if anything).
-CHECKS = ["native_paths", "lifetimes", "relaxed_overlap", "timing", "exchange", "native", "vocab_parallel",
-          "deepspeed_fp16_skip", "deepspeed", "fairseq", "fairseq_resume"]
+CHECKS = ["native_paths", "lifetimes", "relaxed_overlap", "timing", "one_clock", "exchange", "native",
+          "vocab_parallel", "deepspeed_fp16_skip", "deepspeed", "fairseq", "fairseq_resume"]
 GPU_ONLY = {"fairseq", "fairseq_resume", "deepspeed", "deepspeed_fp16_skip"}
-TIMEOUTS = {"native_paths": 60, "lifetimes": 75, "relaxed_overlap": 60, "timing": 45, "exchange": 90, "native": 45,
+TIMEOUTS = {"native_paths": 60, "lifetimes": 75, "relaxed_overlap": 60, "timing": 45, "one_clock": 45,
+            "exchange": 90, "native": 45,
             "vocab_parallel": 90, "deepspeed_fp16_skip": 75, "deepspeed": 150, "fairseq": 160, "fairseq_resume": 120}
 TOTAL_S = 530  # everything, the native build included: under 9 minutes
 MIN_CHECK_S = 20  # a check is not started with less time than this left

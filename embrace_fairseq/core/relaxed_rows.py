@@ -44,7 +44,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.native_ops import host_ints
 from embrace_fairseq.core.output_dist import push_grad_rows as sync_push
-from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.core.trace import Tracer, clock_for
 
 DEFERRED_TID = 3
 DEFERRED_GRAD_ROWS = "deferred_grad_rows"
@@ -114,7 +114,7 @@ class RelaxedRows:
         self._next: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._updated: List[Optional[torch.Tensor]] = [None] * len(self.tables)
         self._split_with: List[Optional[torch.Tensor]] = [None] * len(self.tables)
-        self._pending: List[tuple] = []  # (table index, work, recv rows, local rows, scale, padding, start_us)
+        self._pending: List[tuple] = []  # (table index, work, recv rows, local rows, scale, padding, sent bytes)
         self._thread: Optional[threading.Thread] = None
         # CUDA: the background thread's stream, the event after its last row write (what a
         # reader's stream waits for), and the tensors it reads that the main stream made
@@ -177,7 +177,6 @@ class RelaxedRows:
         # the others: issued now on the relaxed group, completed later
         send = grad_unique.index_select(0, _where(~send_mask, sum(send_counts)))
         recv = grad_unique.new_empty(sum(recv_counts), dim)
-        t0 = self.tracer.now()
         work = collectives.all_to_all_single_async(recv, send, recv_counts, send_counts, self.group)
         rows = xp.requested_local.index_select(0, _where(~recv_mask, sum(recv_counts)))
         row_bytes = dim * grad_unique.element_size()
@@ -185,7 +184,7 @@ class RelaxedRows:
         got = sum(c for r, c in enumerate(recv_counts) if r != xp.rank) * row_bytes
         for ledger in xp.ledgers:
             ledger.record(DEFERRED_GRAD_ROWS, sent, got)
-        self._pending.append((ti, work, recv, rows, scale, padding_local, t0, sent))
+        self._pending.append((ti, work, recv, rows, scale, padding_local, sent))
         return grad
 
     # ------------------------------------------------------------------ reads
@@ -289,9 +288,11 @@ class RelaxedRows:
             starts: Dict[int, float] = {}
             sent_by: Dict[int, int] = {}
             ends: Dict[int, float] = {}
-            for ti, work, recv, rows, scale, padding, t0, sent in pending:
+            clock = None
+            for ti, work, recv, rows, scale, padding, sent in pending:
                 work.wait()  # no collective issued here: only the wait for one issued in backward
                 ends[ti] = max(ends.get(ti, 0.0), work.end_us())
+                t0, clock = work.issued_us, clock_for(work.device)  # the trace's one clock (core/trace.py)
                 d = deferred[ti]
                 add = recv.float() * scale if scale != 1.0 else recv.float()
                 d.index_add_(0, rows.to(d.device), add.to(d.device))
@@ -306,10 +307,14 @@ class RelaxedRows:
                 self._nonfinite = bad
                 return
             opt.apply(rest, grads=full)
-            end = self.tracer.now()  # the deferred rows are finished: exchanged (``ends``) and updated
-            for ti, t0 in starts.items():
-                self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, max(end, ends[ti]), tid=DEFERRED_TID,
-                                       table=ti)
+            if clock is not None and self.tracer.enabled:
+                # the deferred rows are finished: exchanged (``ends``) and updated; on CUDA an
+                # event on this thread's stream, after the collectives and the row writes
+                end = clock.stamp()
+                for ti, t0 in starts.items():
+                    stop = max(end, ends[ti]) if isinstance(end, float) else end
+                    self.tracer.collective(DEFERRED_GRAD_ROWS, sent_by[ti], t0, stop, tid=DEFERRED_TID,
+                                           clock=clock.name, table=ti)
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
 

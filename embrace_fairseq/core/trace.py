@@ -10,7 +10,17 @@ report collectives.
 A collective's interval runs from its issue to its completion as the collective itself
 reports it (:meth:`~embrace_fairseq.core.collectives.Pending.end_us`: the work's future
 on CPU, a CUDA event on CUDA devices), not from when a thread next looks at it.
-Compute phases are host intervals around the phase's code.
+
+**One clock per trace** (:attr:`Tracer.clock`). On a CUDA job every interval is timed on
+the device: a compute phase by CUDA events on the current stream around the phase's
+code (when the device ran it, not when the host queued it), a collective by its own
+events, a blocking exchange by events around it; on a CPU job every interval is a host
+interval. The device's times are placed on :func:`time.perf_counter`'s scale through one
+anchor per device (:func:`~embrace_fairseq.core.pending.event_us`), so both read in the
+same unit. Each interval says the clock it was timed on; one timed on another clock than
+the trace's is kept on the timeline but :meth:`Tracer.summary` refuses to compute a
+hidden share over it (:class:`MixedClocksError`): a host interval beside device ones
+measures when the host queued work, which on a GPU runs ahead of the device.
 """
 from __future__ import annotations
 
@@ -22,7 +32,11 @@ import time
 from collections import defaultdict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
+
+from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.core.ledger import CommLedger
+from embrace_fairseq.core.pending import event_us, record_event
 
 COMPUTE_TID = 0
 COMM_TID = 1
@@ -31,6 +45,72 @@ EXCHANGE_TID = 2  # the embedding AlltoAlls, which run on the compute thread
 
 def _now_us() -> float:
     return time.perf_counter() * 1e6
+
+
+# --------------------------------------------------------------------------- clocks
+#: the name of the host's clock (every CPU job's)
+HOST = "host"
+
+
+def clock_name(device: Any) -> str:
+    """The clock that times work on ``device``: ``"host"``, or ``"cuda:<index>"``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return HOST
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+class Clock:
+    """The host's clock: :func:`time.perf_counter` in microseconds. A *stamp* is a point
+    on a clock (:meth:`stamp`), read in microseconds by :meth:`us`."""
+
+    name = HOST
+
+    def stamp(self) -> Any:
+        return _now_us()
+
+    def us(self, stamp: Any) -> float:
+        return float(stamp)
+
+
+class CudaClock(Clock):
+    """A CUDA device's clock: a stamp is a timing event recorded on the current stream
+    (the point the device reaches there), read through the device's anchor on
+    :func:`time.perf_counter`'s scale (:func:`~embrace_fairseq.core.pending.event_us`:
+    waits for the event). Times already read (numbers) pass through."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = torch.device(device)
+        self.name = clock_name(self.device)
+
+    def stamp(self) -> Any:
+        return record_event(self.device)
+
+    def us(self, stamp: Any) -> float:
+        return float(stamp) if isinstance(stamp, (int, float)) else event_us(stamp, self.device)
+
+
+def clock_for(device: Any) -> Clock:
+    """The clock that times work on ``device``."""
+    return CudaClock(device) if torch.device(device).type == "cuda" else Clock()
+
+
+def pending_clock(pending: Any) -> Clock:
+    """The clock a collective in flight is timed on (a Pending's device's; one that names
+    no device, the host's)."""
+    return clock_for(getattr(pending, "device", "cpu"))
+
+
+def job_clock() -> Clock:
+    """The clock of this process's job: its current CUDA device's once CUDA is in use
+    (the model is on the device before training starts), else the host's."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return CudaClock(torch.device("cuda", torch.cuda.current_device()))
+    return Clock()
+
+
+class MixedClocksError(UserError, ValueError):
+    """A trace holds intervals timed on different clocks (host and device)."""
 
 
 def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
@@ -89,49 +169,69 @@ def hidden_share(overlappable: List[Interval], blocking: List[Interval], compute
 
 
 class Tracer:
-    """Collects events in memory; thread-safe. Disabled tracers cost one branch."""
+    """Collects events in memory; thread-safe. Disabled tracers cost one branch.
 
-    def __init__(self, rank: int = 0, enabled: bool = True) -> None:
+    ``clock``: the trace's one clock (module doc); by default :func:`job_clock`, taken at
+    the first use (after the model is on its device)."""
+
+    def __init__(self, rank: int = 0, enabled: bool = True, clock: Optional[Clock] = None) -> None:
         self.rank = rank
         self.enabled = enabled
+        self._clock = clock
         self._events: List[Dict[str, Any]] = []
         self._unresolved: List[Any] = []
+        self._mixed: List[str] = []  # intervals timed on another clock than the trace's
         self._lock = threading.Lock()
         self._t0 = _now_us()
 
     # ------------------------------------------------------------------ recording
+    @property
+    def clock(self) -> Clock:
+        if self._clock is None:
+            self._clock = job_clock()
+        return self._clock
+
     def now(self) -> float:
+        """The host's time in microseconds (for arguments of events, not their times)."""
         return _now_us()
+
+    def stamp(self) -> Any:
+        """A point on the trace's clock (a number on the host, a CUDA event on a device)."""
+        return self.clock.stamp()
 
     @contextlib.contextmanager
     def phase(self, name: str, **args: Any) -> Iterator[None]:
-        """A compute phase (forward, backward, step) around the ``with`` body."""
+        """A compute phase (forward, backward, step) around the ``with`` body, on the
+        trace's clock."""
         if not self.enabled:
             yield
             return
-        start = _now_us()
+        start = self.stamp()
         try:
             yield
         finally:
-            self._add(name, "compute", start, _now_us(), COMPUTE_TID, args)
+            self._add(name, "compute", start, self.stamp(), COMPUTE_TID, args, self.clock.name)
 
-    def compute(self, name: str, start_us: float, end_us: float, **args: Any) -> None:
+    def compute(self, name: str, start_us: Any, end_us: Any, clock: str = HOST, **args: Any) -> None:
+        """A compute interval timed on ``clock`` (microseconds, or stamps of that clock)."""
         if self.enabled:
-            self._add(name, "compute", start_us, end_us, COMPUTE_TID, args)
+            self._add(name, "compute", start_us, end_us, COMPUTE_TID, args, clock)
 
     def instant(self, name: str, **args: Any) -> None:
-        """A point in time on the compute track (category ``mark``: no interval, it
-        takes no part in the hidden share)."""
+        """A point in time on the compute track, on the trace's clock (category ``mark``:
+        no interval, it takes no part in the hidden share)."""
         if self.enabled:
-            ev = {"name": name, "cat": "mark", "ph": "i", "s": "t", "ts": _now_us() - self._t0,
-                  "pid": self.rank, "tid": COMPUTE_TID, "args": args}
+            ev = {"name": name, "cat": "mark", "ph": "i", "s": "t", "ts": self.stamp(),
+                  "pid": self.rank, "tid": COMPUTE_TID, "args": args, "_clock": self.clock.name}
             with self._lock:
                 self._events.append(ev)
 
-    def collective(self, kind: str, nbytes: int, start_us: float, end_us: float, tid: int = COMM_TID, **args: Any) -> None:
-        """One collective, from issue to completion."""
+    def collective(self, kind: str, nbytes: int, start_us: Any, end_us: Any, tid: int = COMM_TID,
+                   clock: str = HOST, **args: Any) -> None:
+        """One collective, from issue to completion, timed on ``clock`` (microseconds, or
+        stamps of that clock)."""
         if self.enabled:
-            self._add(kind, "comm", start_us, end_us, tid, dict(args, kind=kind, bytes=int(nbytes)))
+            self._add(kind, "comm", start_us, end_us, tid, dict(args, kind=kind, bytes=int(nbytes)), clock)
 
     def collective_async(self, kind: str, nbytes: int, pending: Any, tid: int = COMM_TID, **args: Any) -> None:
         """A collective still in flight: its times are read (``pending.issued_us``,
@@ -153,25 +253,59 @@ class Tracer:
             else:
                 todo, self._unresolved = self._unresolved, []
         for kind, nbytes, pending, tid, args in todo:
-            self.collective(kind, nbytes, pending.issued_us, pending.end_us(), tid=tid, **args)
+            self.collective(kind, nbytes, pending.issued_us, pending.end_us(), tid=tid,
+                            clock=pending_clock(pending).name, **args)
 
-    def _add(self, name: str, cat: str, start: float, end: float, tid: int, args: Dict[str, Any]) -> None:
-        ev = {"name": name, "cat": cat, "ph": "X", "ts": start - self._t0, "dur": max(0.0, end - start),
-              "pid": self.rank, "tid": tid, "args": args}
+    def _add(self, name: str, cat: str, start: Any, end: Any, tid: int, args: Dict[str, Any], clock: str) -> None:
+        """An interval timed on ``clock``; its stamps are read when the trace is read."""
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": start, "dur": end, "pid": self.rank, "tid": tid,
+              "args": args, "_clock": clock}
         with self._lock:
+            if clock != self.clock.name:
+                self._mixed.append(f"{name} ({clock})")
             self._events.append(ev)
+
+    def _read_stamps(self) -> None:
+        """Every event's stamps in microseconds from the trace's origin (a CUDA stamp
+        waits for its event)."""
+        with self._lock:
+            todo = [e for e in self._events if "_clock" in e]
+        for e in todo:
+            clk = self.clock if e["_clock"] == self.clock.name else _clock_named(e["_clock"])
+            start = clk.us(e["ts"])
+            if e["ph"] == "X":
+                e["dur"] = max(0.0, clk.us(e["dur"]) - start)
+            e["ts"] = start - self._t0
+            del e["_clock"]
 
     # ------------------------------------------------------------------ reading
     def events(self, cat: Optional[str] = None) -> List[Dict[str, Any]]:
         self._resolve()
+        self._read_stamps()
         with self._lock:
             evs = list(self._events)
         return [e for e in evs if cat is None or e["cat"] == cat]
+
+    def clocks(self) -> Dict[str, Any]:
+        """The trace's clock and the intervals timed on another one (none: one clock)."""
+        self._resolve()
+        with self._lock:
+            return {"clock": self.clock.name, "mixed": list(self._mixed)}
+
+    def check_one_clock(self) -> None:
+        """Raise :class:`MixedClocksError` unless every interval is on the trace's clock."""
+        c = self.clocks()
+        if c["mixed"]:
+            shown = ", ".join(c["mixed"][:5]) + (", ..." if len(c["mixed"]) > 5 else "")
+            raise MixedClocksError(
+                f"the trace of rank {self.rank} is timed on {c['clock']} but holds intervals timed on another "
+                f"clock: {shown}; a hidden share over them would compare host and device times")
 
     def clear(self) -> None:
         with self._lock:
             self._events.clear()
             self._unresolved.clear()
+            self._mixed.clear()
 
     def take(self) -> List[Dict[str, Any]]:
         """Every event so far, removed from the tracer (a caller that interleaves several
@@ -192,7 +326,10 @@ class Tracer:
         ``exposed_seconds``: :func:`hidden_share` over the whole trace; the embedding
         exchanges run on the compute thread, so they count as exposed.
         ``dense_started_in_backward``: dense collectives issued before their backward ended.
+        ``clock``: the trace's one clock; a trace over several raises
+        :class:`MixedClocksError` instead (:meth:`check_one_clock`).
         """
+        self.check_one_clock()
         comm = self.events("comm")
         compute = self.events("compute")
         by_kind_bytes: Dict[str, int] = defaultdict(int)
@@ -223,6 +360,7 @@ class Tracer:
             "exposed_share": share["exposed_share"],
             "dense_collectives": sum(1 for e in comm if e["tid"] == COMM_TID),
             "dense_started_in_backward": started_in_bwd,
+            "clock": self.clock.name,
         }
 
     def save(self, prefix: str) -> str:
@@ -237,9 +375,17 @@ class Tracer:
             {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": COMM_TID, "args": {"name": "dense all-reduce"}},
             {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": EXCHANGE_TID, "args": {"name": "embedding exchange"}},
         ]
+        try:
+            other: Dict[str, Any] = self.summary()
+        except MixedClocksError as exc:  # the timeline is still worth reading
+            other = dict(self.clocks(), error=str(exc))
         with open(path, "w") as f:
-            json.dump({"traceEvents": meta + self.events(), "displayTimeUnit": "ms", "otherData": self.summary()}, f)
+            json.dump({"traceEvents": meta + self.events(), "displayTimeUnit": "ms", "otherData": other}, f)
         return path
+
+
+def _clock_named(name: str) -> Clock:
+    return Clock() if name == HOST else CudaClock(name)
 
 
 class TracingLedger(CommLedger):
@@ -258,15 +404,21 @@ class TracingLedger(CommLedger):
         self._marks = threading.local()
 
     def mark(self) -> None:
-        self._marks.t = _now_us()
+        if self.tracer.enabled:
+            self._marks.t = self.tracer.stamp()
 
     def record(self, kind: str, sent: int, received: int, inter_node: Optional[int] = None) -> None:
         super().record(kind, sent, received, inter_node)
         if self.inner is not None:
             self.inner.record(kind, sent, received, inter_node)
-        end = _now_us()
+        if not self.tracer.enabled:
+            return
+        # on the trace's clock: on CUDA events on the current stream, which the blocking
+        # exchange's collectives were ordered before
+        end = self.tracer.stamp()
         start = getattr(self._marks, "t", end)
-        self.tracer.collective(kind, sent, start, end, tid=EXCHANGE_TID, received=int(received))
+        self.tracer.collective(kind, sent, start, end, tid=EXCHANGE_TID, clock=self.tracer.clock.name,
+                               received=int(received))
         self._marks.t = end
 
 
@@ -306,24 +458,35 @@ def mark_start(ledgers: List[CommLedger]) -> None:
             ledger.mark()
 
 
+def wait_point(device: Any) -> Any:
+    """Where the caller starts waiting for a collective on ``device``, on that device's
+    clock (:func:`clock_for`): the host's time on CPU, an event on the current stream on
+    CUDA (where the stream starts waiting). For :func:`record_overlapped`."""
+    return clock_for(device).stamp()
+
+
 def record_overlapped(ledgers: List[CommLedger], kind: str, sent: int, received: int, pending: Any,
-                      waited_us: float) -> None:
+                      waited_us: Any) -> None:
     """Count the bytes of an asynchronous collective the caller computed beside and then
-    waited for, from ``waited_us`` (call it after the wait). A tracing ledger gets the
-    collective's time split at ``waited_us``: issue to then on the overlapped lane (hidden
-    behind the caller's compute), then to completion on the exchange lane (the compute
-    thread waited: exposed). The bytes go with the first part; a part of no length is
-    left out."""
+    waited for, from ``waited_us`` (:func:`wait_point`, taken before the wait; call this
+    after it). A tracing ledger gets the collective's time split there: issue to then on
+    the overlapped lane (hidden behind the caller's compute), then to completion on the
+    exchange lane (the compute thread waited: exposed). The bytes go with the first part;
+    a part of no length is left out. All three times are on the collective's device's
+    clock."""
     for ledger in ledgers:
         if not _count_bytes(ledger, kind, sent, received):
             continue
         if ledger.tracer.enabled:
+            clock = pending_clock(pending)
             start, end = pending.issued_us, pending.end_us()
-            split = min(max(waited_us, start), end)
+            split = min(max(clock.us(waited_us), start), end)
             rest = sent
             if split > start:
-                ledger.tracer.collective(kind, sent, start, split, tid=TABLE_TID, received=int(received))
+                ledger.tracer.collective(kind, sent, start, split, tid=TABLE_TID, clock=clock.name,
+                                         received=int(received))
                 rest = 0
             if end > split or rest:
-                ledger.tracer.collective(kind, rest, split, end, tid=EXCHANGE_TID, received=int(received) if rest else 0)
+                ledger.tracer.collective(kind, rest, split, end, tid=EXCHANGE_TID, clock=clock.name,
+                                         received=int(received) if rest else 0)
         ledger.mark()

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -66,7 +65,7 @@ from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.deferred_grad import DeferredGrads
 from embrace_fairseq.core.ledger import CommLedger, record_all
-from embrace_fairseq.core.trace import mark_start, record_overlapped
+from embrace_fairseq.core.trace import mark_start, record_overlapped, wait_point
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class _InFlight:
     def wait(self) -> torch.Tensor:
         if self.pending is None:  # world size 1: nothing was sent
             return self.local
-        waited = time.perf_counter() * 1e6
+        waited = wait_point(self.pending.device)  # on the collective's clock (core/trace.py)
         out = self.pending.wait()
         record_overlapped(list(self.ledgers), self.kind, self.sent, self.received, self.pending, waited)
         return out

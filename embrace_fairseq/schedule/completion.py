@@ -13,6 +13,7 @@ import torch
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.ring_volume import ring_allreduce_bytes_int
+from embrace_fairseq.core.trace import clock_name
 
 
 class CompletionMixin:
@@ -25,8 +26,8 @@ class CompletionMixin:
         nbytes, inter = self._dense_bytes(piece.numel, self._flat[piece.bucket])
         for ledger in self.ledgers:
             ledger.record(K.DENSE_GRAD, nbytes, nbytes, inter)
-        self.tracer.collective(K.DENSE_GRAD, piece.nbytes, pending.issued_us, pending.end_us(), bucket=piece.bucket,
-                               piece=piece.index)
+        self.tracer.collective(K.DENSE_GRAD, piece.nbytes, pending.issued_us, pending.end_us(),
+                               clock=clock_name(pending.device), bucket=piece.bucket, piece=piece.index)
 
     def _dense_bytes(self, numel: int, flat: torch.Tensor) -> Tuple[int, Optional[int]]:
         """Bytes this rank sends for one piece, and how many of them leave its node (None:

@@ -71,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from embrace_fairseq.core import collectives
 from embrace_fairseq.core.ledger import CommLedger, global_ledger
 from embrace_fairseq.core.node_topology import NodeGroups, NodeTopology, node_groups
-from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.core.trace import Tracer, clock_name
 from embrace_fairseq.schedule import rates
 from embrace_fairseq.schedule.completion import CompletionMixin
 from embrace_fairseq.schedule.gate import ExchangeGate, gate_scope
@@ -167,6 +167,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             gate.add_enter_listener(self._gate_entering)
         # single-thread mode: the host-side vote of the fences, and the fence itself
         self._vote_group = self._vote_group_for(group, self.world_size) if self.single_thread else None
+        self._board = self._board_for(self._vote_group)  # what peers issued, for a rank at a fence
+        self._backward_seq = -1  # reduced backwards begun, counted in _reset (the same on every rank)
         #: fence votes taken (single-thread mode), for logs and tests
         self.fence_rounds = 0
         #: the parameters (indices) without a gradient in the last reduced step
@@ -227,6 +229,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._next = 0  # single-thread mode: index of the next piece of the issue list
+        self._segment = 0  # single-thread mode: fence votes taken in this backward
+        self._backward_seq += 1
         self._zeroed: set = set()  # single-thread mode: parameters a fence completed with zeros
         self._no_grad: set = set()  # parameters without a gradient in this backward
         self._bw_events: List[Any] = []  # CUDA: events at the first hook and at the end of backward
@@ -359,8 +363,8 @@ class ScheduledAllReduce(IssueMixin, LiveQueueMixin, CompletionMixin):
             return
         t0, t1 = (collectives.event_us(ev, self.device) for ev in self._bw_events)
         self._bw_events = []
-        if self.trace_backward:  # the tracer's clock is perf_counter's in us, as event_us's
-            self.tracer.compute("backward", t0, t1)
+        if self.trace_backward:  # timed on the device, as its collectives
+            self.tracer.compute("backward", t0, t1, clock=clock_name(self.device))
         self._backward_s = (t1 - t0) / 1e6
 
     def _mark_all(self) -> None:

@@ -36,19 +36,34 @@ thread is a function of what every rank knows:
 * at the end of backward every parameter is ready (zeros where none came) and the rest
   of the list goes out, waiting for credits.
 
+**No rank waits in a vote for a host that waits for it.** A piece issued from a hook is
+outside any agreement: when it is issued, its peers' halves may come only after the next
+vote. A rank that is ahead can meet a device-wide synchronisation before its fence (the
+CUDA caching allocator freeing its cache on an out-of-memory retry, ``empty_cache``): its
+host then waits for its device, which waits in that piece for the peers. So a hook posts
+the count it issues on the issue board first (``schedule/issue_board.py``: the job's
+store, readable while the poster's host is blocked), and a rank waiting in a vote issues
+up to the furthest count its peers posted for the same segment while the vote is in
+flight -- what it would issue right after the vote anyway (the vote's result is at least
+that count), only earlier. Stock DDP takes no host-side vote inside backward; this mode
+takes one per fence, and never one that a peer's device can be waiting on.
+
 So every rank issues: the pieces ``[0, n1)``, the first other collective, ``[n1, n2)``, the
 next, ..., the rest at the end of backward, with the same ``n_k`` everywhere, whichever
-parameters got a gradient and whenever. A fence costs one small host-side all-reduce per
-other collective of a reducing backward.
+parameters got a gradient and whenever. A fence costs one small host-side all-gather per
+other collective of a reducing backward (and store reads while it waits); a piece issued
+from a hook, one store write.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from embrace_fairseq.core import collectives
+from embrace_fairseq.schedule.issue_board import IssueBoard
 
 
 class IssueMixin:
@@ -128,7 +143,13 @@ class IssueMixin:
                 if not self._credit_free():
                     return
             self._next += 1
+            if not blocking:  # outside an agreement: posted first (schedule/issue_board.py)
+                self._post_issued()
             self._launch(piece)
+
+    def _post_issued(self) -> None:
+        if self._board is not None:
+            self._board.post(self._backward_seq, self._segment, self._next)
 
     def _catch_up(self, n: int) -> None:
         """Issue the list up to ``n`` pieces (the agreed count), buckets not complete here
@@ -177,14 +198,33 @@ class IssueMixin:
         self.fence_rounds += 1
         if agreed > self._next:
             self._catch_up(agreed)
+        self._segment += 1  # on every rank: the posts of the next segment start here
+
+    #: seconds a vote may take before the issue board is read (a vote whose ranks all came
+    #: returns sooner; the board matters only where a peer is held up), and between reads
+    BOARD_AFTER_S = 2e-3
+    BOARD_POLL_S = 2e-3
 
     def _vote_max(self, n: int) -> int:
+        """The largest count issued on any rank (``n`` here). While the vote is in flight
+        this rank issues up to the furthest count its peers posted (the issue board): a
+        peer that is ahead may be blocked on its device, waiting in a piece for this rank's
+        half, and could not join the vote before it is issued."""
         if self._vote_group is None:
             return n
         t = torch.tensor([n], dtype=torch.long)
         with collectives.fences_off():
-            collectives.all_reduce(t, op="max", group=self._vote_group)
-        return int(t.item())
+            pending = collectives.all_gather_async(t, self._vote_group)
+        began = time.perf_counter()
+        pause = 2e-5
+        while not pending.done():
+            if time.perf_counter() - began >= self.BOARD_AFTER_S:
+                ahead = self._board.furthest(self._backward_seq, self._segment)
+                if ahead > self._next:
+                    self._catch_up(ahead)
+            time.sleep(pause)
+            pause = min(2 * pause, self.BOARD_POLL_S)
+        return max(int(v.item()) for v in pending.wait())
 
     def _check_not_zeroed(self, i: int) -> None:
         if i in self._zeroed:
@@ -201,3 +241,9 @@ class IssueMixin:
             return None
         ranks: Optional[List[int]] = None if group is None else dist.get_process_group_ranks(group)
         return collectives.new_group(ranks, host_vote=True)
+
+    @staticmethod
+    def _board_for(vote_group: Optional[Any]) -> Optional[IssueBoard]:
+        if vote_group is None:
+            return None
+        return IssueBoard(collectives.group_label(vote_group), dist.get_process_group_ranks(vote_group))

@@ -41,15 +41,16 @@ def test_a_cold_first_backward_is_measured_again_warm(gloo1, monkeypatch):
     x = torch.randn(8, DIM)
     seen = []
     for step in range(1, ScheduledAllReduce.WARM_STEP + 2):
-        _Pause.seconds = 0.5 if step == 1 else 0.0  # the cold start
+        _Pause.seconds = 1.0 if step == 1 else 0.0  # the cold start
         layers[1](_Pause.apply(layers[0](x))).square().sum().backward()
         red.finish()
         seen.append(red.rates[0])
     cold, warm = seen[0], seen[ScheduledAllReduce.WARM_STEP - 1]
     grad_bytes = 2 * DIM * DIM * 4
-    assert cold <= grad_bytes / 0.5  # the pause is inside the measured backward
+    assert cold <= grad_bytes / 1.0  # the pause is inside the measured backward
     assert seen[1:ScheduledAllReduce.WARM_STEP - 1] == [cold] * (ScheduledAllReduce.WARM_STEP - 2)
-    assert warm > 20 * cold  # measured again without the pause
+    # measured again without the pause (a warm backward of 200 ms at most: a loaded machine's)
+    assert warm > 5 * cold
     assert seen[-1] == warm  # and not after that
     # the list is the plan's own simulation at the warm rate
     expected = build_schedule(specs, replace(OPTS, compute_bytes_per_s=warm, link_bytes_per_s=1e9))
