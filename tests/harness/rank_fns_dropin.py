@@ -7,9 +7,11 @@ stock model each time, so a stock attribute fairseq adds is covered as it appear
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import functools
 from collections import defaultdict
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,9 +59,15 @@ def kind_of(arch: str) -> str:
     raise AssertionError(f"{arch}: no drop-in case for its stock model {stock.__name__}")
 
 
-def cases(archs: Sequence[str], modes: Sequence[str] = OUTPUT_MODES) -> List[Tuple[str, Tuple[str, ...], str]]:
-    """(architecture, tie flags, output mode) for every architecture, tie variant and mode."""
-    return [(arch, tuple(ties), mode) for arch in archs for ties in KINDS[kind_of(arch)][2] for mode in modes]
+def cases(archs: Sequence[str], modes: Sequence[str] = OUTPUT_MODES,
+          rotate: Optional[int] = None) -> List[Tuple[str, Tuple[str, ...], str]]:
+    """(architecture, tie flags, output mode) for every architecture, tie variant and mode;
+    with ``rotate``, one mode per architecture and tie variant, taken in turn (starting
+    ``rotate`` modes on), so consecutive cases of a family cover every mode."""
+    pairs = [(arch, tuple(ties)) for arch in archs for ties in KINDS[kind_of(arch)][2]]
+    if rotate is None:
+        return [(arch, ties, mode) for arch, ties in pairs for mode in modes]
+    return [(arch, ties, modes[(i + rotate) % len(modes)]) for i, (arch, ties) in enumerate(pairs)]
 
 
 class Dictionaries:
@@ -74,18 +82,26 @@ class Dictionaries:
         self.source_dictionary = self.target_dictionary = d
 
 
-def build_pair(arch: str, ties: Sequence[str], mode: str) -> Tuple[nn.Module, nn.Module]:
-    """(stock model, EmbRace model): the model configuration parsed once for ``arch`` by
-    fairseq's parser (its preset applied; a model with a configuration dataclass gets
-    it from the arguments as ``fairseq.models.build_model`` makes it), then each model
-    class builds from its own copy, same seed."""
+@functools.lru_cache(maxsize=None)
+def parsed_args(arch: str, ties: Tuple[str, ...]) -> argparse.Namespace:
+    """``arch``'s arguments as fairseq's parser makes them (its preset applied)."""
     import embrace_fairseq.fairseq_adapter  # noqa: F401  (registers the architectures)
     from fairseq import options
-    from fairseq.models import ARCH_MODEL_REGISTRY
 
     task, tiny, _ = KINDS[kind_of(arch)]
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "unused-data-dir", "--task", task, "--arch", arch, *tiny, *ties, "--embrace-output", mode, "--cpu"])
+    return options.parse_args_and_arch(options.get_training_parser(), [
+        "unused-data-dir", "--task", task, "--arch", arch, *tiny, *ties, "--cpu"])
+
+
+def build_pair(arch: str, ties: Sequence[str], mode: str) -> Tuple[nn.Module, nn.Module]:
+    """(stock model, EmbRace model) from one model configuration: ``arch``'s parsed
+    arguments with ``--embrace-output mode`` (a model with a configuration dataclass gets
+    it from them as ``fairseq.models.build_model`` makes it); each model class builds
+    from its own copy, same seed."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    args = copy.deepcopy(parsed_args(arch, tuple(ties)))
+    args.embrace_output = mode
     dc = getattr(ARCH_MODEL_REGISTRY[arch], "__dataclass", None)
     model_cfg = dc.from_namespace(args) if dc is not None else args
     models = []
