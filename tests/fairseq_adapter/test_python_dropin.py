@@ -16,6 +16,7 @@ The expected names and groups come from the stock model each time (tests/harness
 from __future__ import annotations
 
 import pytest
+import torch
 
 from embrace_fairseq.tools.local_ranks import run_ranks
 from rank_fns_dropin import OUTPUT_MODES, build_pair, cases, check_cases, embrace_architectures, kind_of
@@ -36,10 +37,15 @@ def test_registry_has_every_family():
 
 
 def test_reported_attribute_path():
-    """The path scripts use on RoBERTa: the tied output weight is the token table's parameter."""
+    """The path scripts use on RoBERTa: the tied output weight is the token table's
+    parameter, and stays so through a conversion (--fp16 halves the model)."""
     stock, ours = build_pair("embrace_roberta", (), "auto")
-    assert ours.encoder.lm_head.weight is ours.encoder.sentence_encoder.embed_tokens.weight
     assert stock.encoder.lm_head.weight is stock.encoder.sentence_encoder.embed_tokens.weight
+    table = ours.encoder.sentence_encoder.embed_tokens
+    assert ours.encoder.lm_head.weight is table.weight
+    ours.half()
+    assert ours.encoder.lm_head.weight is table.weight and table.weight.dtype == torch.float16
+    assert list(ours.state_dict()) == list(stock.state_dict())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
