@@ -25,7 +25,6 @@ import logging
 from typing import Any, Iterator
 
 import torch
-import torch.nn as nn
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
@@ -60,7 +59,7 @@ EmbraceFlags = dataclasses.make_dataclass(
 EmbraceFlags.__module__ = __name__
 
 
-class EmbraceRobertaLMHead(TableWeightAlias, nn.Module):
+class EmbraceRobertaLMHead(TableWeightAlias):
     """RoBERTa's masked-LM head (dense, activation, layer norm) whose output layer reads
     the sharded token table. Holds the stock head's own modules and bias, and as its
     ``weight`` the table's parameter (the stock head's is the table's too), so
