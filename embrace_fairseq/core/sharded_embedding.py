@@ -406,7 +406,10 @@ class ShardedEmbedding(nn.Module):
 
     # ------------------------------------------------------------------ full table
     def full_weight(self) -> torch.Tensor:
-        """The full ``(num_embeddings, embedding_dim)`` table on every rank. Collective."""
+        """The full ``(num_embeddings, embedding_dim)`` table on every rank, in vocabulary
+        order. Collective. The call for a script that needs the table whole: ``weight``
+        is this rank's shard (marked ``embrace_sharded``), and a tied layer holding it
+        under its own ``weight`` has this method too (:mod:`.table_alias`)."""
         if not self.is_sharded:
             return self.weight.detach().clone()
         if self.relaxed is not None:
@@ -483,7 +486,8 @@ class ShardedEmbedding(nn.Module):
         if self._consolidated is None or self._consolidated[0] != self.weight._version:
             raise RuntimeError(
                 f"state_dict() of a ShardedEmbedding spread over {self.world_size} ranks needs the full "
-                "table: call embrace_fairseq.consolidate(model) on every rank first (it is a collective)"
+                "table: call embrace_fairseq.consolidate(model) on every rank first (it is a collective; "
+                "the full table alone: full_weight() of the module whose .weight is the shard)"
             )
         destination[prefix + "weight"] = self._consolidated[1]
 

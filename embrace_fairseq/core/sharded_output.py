@@ -203,6 +203,7 @@ class ShardedOutputProjection(VocabParallelOutput, ShardedEmbedding):
         stock = nn.Linear(in_features, out_features, bias=False)  # what the stock decoder draws
         nn.init.normal_(stock.weight, mean=0, std=in_features**-0.5)
         self.load_full_weight(stock.weight.detach())
+        self.register_parameter("bias", None)  # as the stock layer, a script may test it
         self.in_features, self.out_features = in_features, out_features
         self.set_output_mode(mode)
 

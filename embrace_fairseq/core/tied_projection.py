@@ -32,19 +32,25 @@ import torch.nn as nn
 
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.sharded_output import VocabParallelOutput
+from embrace_fairseq.core.table_alias import TableWeightAlias
 
 
-class TiedShardedProjection(VocabParallelOutput, nn.Module):
+class TiedShardedProjection(TableWeightAlias, VocabParallelOutput, nn.Module):
     """``features @ table.T`` against a sharded table, tied to it.
 
-    The table is *not* registered as a submodule: it is owned by the embedding, and
-    the state dict stays that of the stock model (fairseq re-creates
-    ``output_projection.weight`` from ``embed_tokens.weight`` when it is missing).
+    The table is *not* registered as a submodule: it is owned by the embedding. As the
+    stock tied ``nn.Linear`` does, the layer holds the table's parameter as its own
+    ``weight`` (:mod:`.table_alias`; ``named_weight=False``: a part of a module that
+    holds it, as RoBERTa's head does), so parameter names, ties and state-dict keys
+    are the stock model's.
     """
 
-    def __init__(self, table: ShardedEmbedding, mode: str = "gather") -> None:
+    def __init__(self, table: ShardedEmbedding, mode: str = "gather", *, named_weight: bool = True) -> None:
         super().__init__()
         object.__setattr__(self, "_table", table)
+        if named_weight:
+            self.alias_table_weight(table)
+            self.register_parameter("bias", None)  # as the stock nn.Linear(bias=False)
         self.in_features = table.embedding_dim
         self.out_features = table.num_embeddings
         self.set_output_mode(mode)
@@ -54,11 +60,6 @@ class TiedShardedProjection(VocabParallelOutput, nn.Module):
 
     def forward(self, features: torch.Tensor):
         return self.project(features)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
-        # A stock checkpoint carries the tied weight under this name as well; the
-        # embedding loads it, so it is consumed here without a copy.
-        state_dict.pop(prefix + "weight", None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tied to a sharded table"
@@ -88,7 +89,7 @@ class BiasedTiedProjection(TiedShardedProjection):
     def __init__(self, table: ShardedEmbedding, bias: nn.Parameter, mode: str = "gather") -> None:
         if tuple(bias.shape) != (table.num_embeddings,):
             raise ValueError(f"bias of shape {tuple(bias.shape)} for a table of {table.num_embeddings} rows")
-        super().__init__(table, mode)
+        super().__init__(table, mode, named_weight=False)
         object.__setattr__(self, "_bias", bias)
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ replicated ``V x D`` weight); the token table is sharded either way.
 
 The model is built as the stock one is, then its table and head are swapped for the
 EmbRace ones holding the same values: the random stream, and so every weight, is the
-stock model's. The state dict keeps the stock keys except the tied head's
-``encoder.lm_head.weight`` (the token table under a second name): loading a stock
-checkpoint consumes it, ``embrace-export-stock`` writes it back.
+stock model's. Parameter names, ties and state-dict keys are the stock model's: the
+tied head's ``encoder.lm_head.weight`` is the token table's parameter under a second
+name (:mod:`~embrace_fairseq.core.table_alias`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import logging
 from typing import Any, Iterator
 
 import torch
-import torch.nn as nn
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
@@ -33,6 +32,7 @@ from fairseq.models.roberta.model import RobertaLMHead, RobertaModel
 from fairseq.utils import safe_getattr
 
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
+from embrace_fairseq.core.table_alias import TableWeightAlias
 from embrace_fairseq.core.tied_projection import BiasedTiedProjection
 from embrace_fairseq.fairseq_adapter.models import (
     EmbraceTransformerLanguageModelConfig,
@@ -59,14 +59,16 @@ EmbraceFlags = dataclasses.make_dataclass(
 EmbraceFlags.__module__ = __name__
 
 
-class EmbraceRobertaLMHead(nn.Module):
+class EmbraceRobertaLMHead(TableWeightAlias):
     """RoBERTa's masked-LM head (dense, activation, layer norm) whose output layer reads
-    the sharded token table. Holds the stock head's own modules and bias, so parameters
-    come in the stock order under the stock names."""
+    the sharded token table. Holds the stock head's own modules and bias, and as its
+    ``weight`` the table's parameter (the stock head's is the table's too), so
+    parameters come in the stock order under the stock names."""
 
     def __init__(self, stock: RobertaLMHead, table: ShardedEmbedding, mode: str) -> None:
         super().__init__()
-        self.bias = stock.bias  # registered first: the stock head's parameter order
+        self.alias_table_weight(table)  # weight, then bias: the stock head's parameter order
+        self.bias = stock.bias
         self.dense = stock.dense
         self.activation_fn = stock.activation_fn
         self.layer_norm = stock.layer_norm
@@ -77,13 +79,6 @@ class EmbraceRobertaLMHead(nn.Module):
             features = features[masked_tokens, :]  # as stock: only the masked positions
         x = self.layer_norm(self.activation_fn(self.dense(features)))
         return self.output(x)  # logits, or in vocab-parallel training the loss's marker
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):  # type: ignore[override]
-        # A stock checkpoint holds the tied table under this name too; the embedding loads it.
-        state_dict.pop(prefix + "weight", None)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
 
 def shard_roberta(model: RobertaModel, args: Any) -> None:

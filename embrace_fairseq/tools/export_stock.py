@@ -79,8 +79,8 @@ def _decoder_ties(cfg: Dict[str, Any]) -> bool:
 
 
 #: (stock key of an output weight tied to a table, the table's key, whether the model
-#: configuration ties them). The EmbRace models keep a tied output weight out of their
-#: state dict (the table is sharded once, under its own key); the stock ones list both.
+#: configuration ties them). The EmbRace models list both keys, as the stock ones do;
+#: checkpoints written before they did hold only the table's, and get the second here.
 #: ``transformer*``, ``transformer_lm*`` and ``bart*`` (a transformer) share the first.
 TIED_OUTPUTS: List[Tuple[str, str, Callable[[Dict[str, Any]], bool]]] = [
     ("decoder.output_projection.weight", "decoder.embed_tokens.weight", _decoder_ties),
