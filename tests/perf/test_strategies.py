@@ -14,6 +14,7 @@ from embrace_fairseq.perf.simulator import Network, Prediction, Profile, predict
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
+         "sparse_allgather_overlap",
          "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1", "embrace_nogate", "embrace_gate",
          "embrace_node",
          "embrace_two_level", "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole",
