@@ -128,6 +128,35 @@ class Strategy:
             self.hook.flush()
 
 
+class _Backward:
+    """A stock path's backward on its timeline: from its start until the last gradient was
+    computed, not until ``backward`` returns. Torch DDP waits for its buckets' all-reduces
+    inside ``backward`` (the reducer's finalize callback), so the call's end would count that
+    wait as compute and every bucket as hidden; EmbRace's backward ends when autograd does
+    (its reducer waits at the step). The time of the last gradient is taken by a
+    post-accumulate hook on every parameter."""
+
+    def __init__(self, tracer: Tracer, module: torch.nn.Module) -> None:
+        self.tracer = tracer
+        self.last_us: Optional[float] = None
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, _: torch.Tensor) -> None:
+        self.last_us = self.tracer.now()
+
+    @contextlib.contextmanager
+    def phase(self) -> Any:
+        self.last_us = None
+        start = self.tracer.now()
+        try:
+            yield
+        finally:
+            end = self.tracer.now()
+            self.tracer.compute("backward", start, min(end, self.last_us or end))
+
+
 def _loss(criterion, model_like, batch) -> torch.Tensor:
     loss, sample_size, _ = criterion(model_like, batch)
     return loss / max(1, sample_size)
@@ -252,12 +281,13 @@ def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data, sparse
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     call = _CallThrough(wrapped, model)
     tracer = Tracer(rank=dist.get_rank())
+    backward = _Backward(tracer, model)
 
     def step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
         opt.zero_grad(set_to_none=True)
         with tracer.phase("forward"):
             loss = _loss(criterion, call, batch)
-        with tracer.phase("backward"):
+        with backward.phase():
             loss.backward()
         if backend == "legacy_ddp":
             wrapped.all_reduce_grads()  # what fairseq's optimizer wrapper calls before the step
@@ -308,9 +338,12 @@ def _on_deepspeed(name: str, model: torch.nn.Module, criterion: Any, engine: Any
     call = _CallThrough(engine, model)
     hook = getattr(engine, "embrace", None)
     tracer = None if hook is not None else Tracer(rank=engine.global_rank)
+    backward = _Backward(tracer, model) if tracer is not None else None
 
     def phase(label: str) -> Any:
-        return tracer.phase(label) if tracer is not None else contextlib.nullcontext()
+        if tracer is None:
+            return contextlib.nullcontext()
+        return backward.phase() if label == "backward" else tracer.phase(label)
 
     def ds_step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
         with phase("forward"):
@@ -341,7 +374,7 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, ze
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     zero = {"stage": zero_stage, **zero_tuning(w)} if zero_stage else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(None, ROWS_PER_RANK, zero))
-    settings = _settings(w, zero_optimization=zero) if zero else {"zero_optimization": {"stage": 0}}
+    settings = _settings(w, zero_optimization=zero or {"stage": 0})
     return _on_deepspeed(name, model, criterion, engine, opt, settings)
 
 
