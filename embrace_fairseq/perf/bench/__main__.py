@@ -29,6 +29,7 @@ from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strateg
 from embrace_fairseq.perf.bench import memory_guard as MG
 from embrace_fairseq.perf.bench import netem_cluster as NC
 from embrace_fairseq.perf.bench.allocator import ALLOCATORS
+from embrace_fairseq.perf.bench.regime_goals import MIN_STEPS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the full run's strategies: every stock baseline as its users tune it (fairseq's default
@@ -93,6 +94,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a.rounds = a.rounds or (2 if a.quick else 4)
     a.steps_per_round = a.steps_per_round or (4 if a.quick else 3)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    if a.rounds * a.steps_per_round < MIN_STEPS:
+        print(f"[bench] note: {a.rounds} rounds x {a.steps_per_round} steps = {a.rounds * a.steps_per_round} timed steps "
+              f"per strategy; the goals give no verdict on fewer than {MIN_STEPS}", file=sys.stderr)
     a.models = [m for m in (a.models or ("lm,translation" if a.quick else "translation,gpt_lm,lm")).split(",") if m]
     a.worlds = [int(x) for x in (a.worlds or ("2,4" if a.quick else "4")).split(",")]
     a.strategies = a.strategies or ",".join(STRATEGIES if a.quick else FULL_STRATEGIES)
@@ -348,7 +352,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "link": {"gbit": [] if a.regimes else a.gbit, "latency_ms": None if a.regimes else a.latency_ms,
                  "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},
         "schedule": {"warmup": a.warmup, "max_warmup": a.max_warmup, "rounds": a.rounds,
-                     "steps_per_round": a.steps_per_round,
+                     "steps_per_round": a.steps_per_round, "timed_steps": a.rounds * a.steps_per_round,
+                     "citable": a.rounds * a.steps_per_round >= MIN_STEPS,
                      "warmup_rule": "each strategy: at least warmup untimed steps, then more until two in a row agree "
                                     "within 15 % (at most max_warmup)",
                      "interleaving": "every round visits every link speed and on it every strategy for steps_per_round "
