@@ -6,7 +6,7 @@ import statistics
 from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.bench.keys import record_link, run_key
-from embrace_fairseq.perf.bench.regime_goals import goals_markdown
+from embrace_fairseq.perf.bench.regime_goals import drift_flag, goals_markdown
 from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, STATISTIC_WORDS, interval_method, ratio_statistic, verdict
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, STRATEGIES, get_strategy
 
@@ -336,7 +336,7 @@ def regimes_section(result: Dict[str, Any]) -> List[str]:
               "limit s | bound by |", "|---|---|---|---|---|---|---|---|---|"]
         for key, c in regimes.items():
             lim = c.get("limit") or {}
-            L.append(f"| {key} | {c['real_model']} | {c['ratio']:.3f} | {c['floor_s']:.3f} | {c['scale']:.1f} | "
+            L.append(f"| {key}{drift_flag(c)} | {c['real_model']} | {c['ratio']:.3f} | {c['floor_s']:.3f} | {c['scale']:.1f} | "
                      f"{_link(c)} | {_latency(c)} | "
                      + (f"{lim['limit_s']:.3f} | {lim['bound_by']} ({_mb(lim['min_bytes'])} MB of "
                         f"{get_strategy(lim['min_bytes_of']).short} in {lim['min_bytes_over_link_s']:.3f} s) |"
@@ -346,19 +346,37 @@ def regimes_section(result: Dict[str, Any]) -> List[str]:
         for key, c in regimes.items():
             over = (c.get("limit") or {}).get("over_limit") or {}
             for s in sorted(over, key=STRATEGIES.index):
-                L.append(f"| {key} | {get_strategy(s).label} | {over[s]['ratio']:.2f}{_interval(over[s])} |")
+                L.append(f"| {key}{drift_flag(c)} | {get_strategy(s).label} | {over[s]['ratio']:.2f}{_interval(over[s])} |")
         L.append("")
         for real in dict.fromkeys((c["real_model"], c.get("real_model_description", "")) for c in regimes.values()):
             L.append(f"- {real[0]}: {real[1]}")
         L.append("")
-    if shapes:
-        L.append("Workload shapes:")
+    return L + shapes_table(shapes)
+
+
+def shapes_table(shapes: Dict[str, Any]) -> List[str]:
+    """The workloads against the released models they are named after (vocabulary,
+    embedding share, tokens per rank), the synthetic ones apart below with why."""
+    if not shapes:
+        return []
+    named = {m: s for m, s in shapes.items() if s.get("real_model")}
+    other = {m: s for m, s in shapes.items() if not s.get("real_model")}
+    L = ["Workload shapes (embedding share: token table over all parameters, a tied table once):", ""]
+    if named:
+        L += ["| workload | real model | vocabulary (real = bench) | embedding share real / bench | "
+              "tokens per rank (published) | note |", "|---|---|---|---|---|---|"]
+        for m, s in named.items():
+            share = (f"{100 * s['real_embedding_share']:.1f} % / {100 * s['embedding_share']:.1f} %"
+                     if s.get("embedding_share") is not None else "-")
+            L.append(f"| {m} | {s['real_model']} | {_value(s.get('vocab'))} | {share} | {_value(s['tokens_per_rank'])}"
+                     f" ({_value(s.get('real_tokens_per_gpu'))}) | {s.get('tokens_note') or '-'} |")
         L.append("")
-        for m, shape in shapes.items():
-            L.append(f"- {m}: " + ", ".join(f"{k} {_value(v)}" for k, v in shape.items()
-                                            if k != "name" and v is not None))
-        L.append("")
-    return L
+    for m, s in other.items():
+        if s.get("synthetic"):
+            L.append(f"- {m} (synthetic, no goal): {s.get('synthetic_reason') or 'stands for no released model'}")
+        else:  # older results: the fields they hold
+            L.append(f"- {m}: " + ", ".join(f"{k} {_value(v)}" for k, v in s.items() if k != "name" and v is not None))
+    return L + ([""] if other else [])
 
 
 def _goal(result: Dict[str, Any]) -> List[str]:
