@@ -9,16 +9,20 @@
 # its warm-up (once two untimed steps agree) and sets the emulated link so that the bench's c10d bytes take that share of it; the two
 # regimes are the run's links, interleaved round by round. Each report gives the limit (the floor or
 # EmbRace's minimum bytes over the link, whichever is longer) and every strategy's step over it.
+# Every run a page cites times at least 8 steps per strategy (rounds x steps per round; the goals give no
+# verdict on fewer); each strategy warms up until two untimed steps agree (at most --max-warmup); every
+# bucket is its experts' setting scaled with the model (perf/bench/shapes.py) and recorded in bench.json.
 # Runs (each its own bench.json and report.md under results/bench/regime/<run>/):
 #   w4            the main-job translation model, the tied GPT-style LM and the untied LM on 4 ranks:
-#                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather), EmbRace
+#                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather after and during
+#                 the backward), EmbRace
 #                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 8 min);
 #   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
 #                 strategies and EmbRace with the output layer's table gradient in its backward (the
-#                 deferral's ablation); 3 rounds x 1 step (about 11 and 7 min). XLM-R on 4 ranks does not fit:
+#                 deferral's ablation); 8 rounds x 1 step (about 30 and 20 min). XLM-R on 4 ranks does not fit:
 #                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
-#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 2 rounds x 1 step (about 10 min);
+#   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 8 rounds x 1 step (about 40 min);
 #   ablation_w2   the schedule's parts on the translation model, 2 ranks pinned to a core each: no
 #                 overlap, FIFO overlap, the 2D schedule, + next-forward overlap, + relaxed embedding
 #                 dependency, and the floor; 3 rounds x 4 steps (about 2 min: next-forward overlap
@@ -30,10 +34,10 @@
 #   nodes_2x2     the translation model on 2 nodes of 2 ranks (one namespace per node: fast inside,
 #                 the regime's link between): c10d, the sparse all-gather, EmbRace flat, with the
 #                 node-aware exchange and with the two-level all-reduce (about 2 min);
-#   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (about 6 min).
+#   xlmr_layout_w2  the layout and the output rule on XLM-R, 2 pinned ranks (8 rounds x 1 step, about 15 min).
 # Runs outside the plan, for a machine with more memory (`RUNS="xlmr_w4 mbart_w4 layout_w8"`):
 #   xlmr_w4, mbart_w4  XLM-R and mBART on the 4 ranks their goals name, every baseline (each rank
-#                 peaks at 6-9 GB: about 35 GB in all); 2 rounds x 1 step;
+#                 peaks at 6-9 GB: about 35 GB in all); 8 rounds x 1 step;
 #   layout_w8     strided against contiguous shards on XLM-R and mBART at 8 ranks, with the floor
 #                 (about 60 GB; give it 8 cores and PIN=1 so that the cores do not decide).
 #   On a machine without that memory the launcher stops the ranks once less than 1.5 GB is left
@@ -61,7 +65,7 @@ if ! "$PY" -c "from embrace_fairseq.perf.bench.allocator import find_jemalloc as
 fi
 bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" --warmup 1 --allocator "${ALLOCATOR:-auto}" "$@"; }
 
-BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather
+BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather,sparse_allgather_overlap
 LARGE=embrace_schedule,embrace_eager_output_grad  # EmbRace and the deferral's ablation
 ABLATION=embrace_noschedule,embrace_fifo,embrace_schedule,embrace_next_forward,embrace_relaxed
 LAYOUT_OUTPUT=embrace_contiguous,embrace_output_gather,embrace_output_vocab_parallel
@@ -71,16 +75,16 @@ run_w4() {
         --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/w4"
 }
 large_w2() {
-  bench --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
-        --calibration-steps 2 --timeout 4500 \
+  bench --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" \
+        --calibration-steps 2 --timeout 9000 \
         --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w2"
 }
 run_xlmr_w2() { large_w2 xlmr; }
 run_m2m_w2() { large_w2 m2m; }
 run_mbart_w2() { large_w2 mbart; }
 large_w4() {  # 2 ranks per core here; XLM-R's and mBART's runs for a machine with more memory
-  bench --models "$1" --worlds 4 --rounds "${ROUNDS:-2}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --timeout 6000 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w4"
+  bench --models "$1" --worlds 4 --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --timeout 12000 --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w4"
 }
 run_m2m_w4() { large_w4 m2m; }
 run_xlmr_w4() { large_w4 xlmr; }
@@ -94,16 +98,16 @@ run_ablation_w4() {
         --strategies "$ABLATION,$LAYOUT_OUTPUT,compute_floor" --out "$OUT/ablation_w4"
 }
 run_nodes_2x2() {
-  bench --models translation --worlds 4 --ranks-per-node 2 --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-2}" \
+  bench --models translation --worlds 4 --ranks-per-node 2 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
         --strategies fairseq_c10d,sparse_allgather,embrace_schedule,embrace_node,embrace_two_level,compute_floor \
         --out "$OUT/nodes_2x2"
 }
 run_xlmr_layout_w2() {
-  bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
-        --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
+  bench --models xlmr --worlds 2 --pin-cores --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" --calibration-steps 2 \
+        --timeout 6000 --strategies embrace_schedule,embrace_contiguous,embrace_output_gather,compute_floor --out "$OUT/xlmr_layout_w2"
 }
 run_layout_w8() {
-  bench --models xlmr,mbart --worlds 8 ${PIN:+--pin-cores} --rounds "${ROUNDS:-3}" --steps-per-round "${STEPS:-1}" \
+  bench --models xlmr,mbart --worlds 8 ${PIN:+--pin-cores} --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" \
         --calibration-steps 2 --timeout 9000 --strategies embrace_schedule,embrace_contiguous,compute_floor \
         --out "$OUT/layout_w8"
 }

@@ -129,8 +129,9 @@ register_strategy(
 )
 register_strategy(
     "fairseq_c10d", label="(a') fairseq c10d (torch DDP)", short="c10d", aliases=("c10d",),
-    description="stock fairseq model under torch DDP: 25 MB buckets all-reduced in readiness order during "
-                "the backward (the input table is ready last)",
+    description="stock fairseq model under torch DDP: fairseq's 25 MB buckets and torch's 1 MiB first bucket, "
+                "scaled with the model, all-reduced in readiness order during the backward (the input table is "
+                "ready last)",
     volume=V.dense_allreduce, cost=LazyRef(_COSTS, "c10d"), build=LazyRef(_BUILDERS, "build_c10d"),
 )
 register_strategy(
@@ -140,14 +141,16 @@ register_strategy(
 )
 register_strategy(
     "deepspeed_zero1", label="(b1) DeepSpeed ZeRO-1", short="ZeRO-1", aliases=("zero1", "b1"),
-    description="stock model, DeepSpeed ZeRO stage 1 (overlap_comm, contiguous_gradients, 25 MB buckets): "
+    description="stock model, DeepSpeed ZeRO stage 1 (overlap_comm, contiguous_gradients, reduced to the owner, "
+                "5e8-element buckets scaled with the model): "
                 "gradient buckets reduced after the backward, each rank steps its 1/N of the optimizer state, "
                 "the updated partitions all-gathered",
     volume=V.zero_partitioned, cost=LazyRef(_COSTS, "zero1"), build=LazyRef(_BUILDERS, "build_deepspeed_zero1"),
 )
 register_strategy(
     "deepspeed_zero2", label="(b2) DeepSpeed ZeRO-2", short="ZeRO-2", aliases=("zero2", "b2"),
-    description="stock model, DeepSpeed ZeRO stage 2 (overlap_comm, contiguous_gradients, 25 MB buckets): "
+    description="stock model, DeepSpeed ZeRO stage 2 (overlap_comm, contiguous_gradients, reduced to the owner, "
+                "5e8-element buckets scaled with the model): "
                 "gradients reduced in buckets during the backward and partitioned, each rank steps its 1/N, "
                 "the updated partitions all-gathered",
     volume=V.zero_partitioned, cost=LazyRef(_COSTS, "zero2"), build=LazyRef(_BUILDERS, "build_deepspeed_zero2"),
@@ -158,6 +161,16 @@ register_strategy(
                 "table gradient all-gathered (sizes, int64 indices, values, blocks padded to the largest)",
     volume=V.sparse_allgather, cost=LazyRef(_COSTS, "sparse_allgather"),
     build=LazyRef(_BUILDERS, "build_sparse_allgather"),
+)
+register_strategy(
+    "sparse_allgather_overlap", label="(c') sparse all-gather overlapped (torch DDP)",
+    short="sparse all-gather overlapped", aliases=("sparse_overlap",),
+    description="nn.Embedding(sparse=True) under torch DDP as fairseq's c10d builds it: the dense buckets and the "
+                "untied table's sparse gradient (a bucket of its own, all-gathered by gloo as indices and values) "
+                "reduced during the backward; a tied table's gradient is dense, so there it is c10d (simulator "
+                "cost: (c)'s)",
+    volume=V.sparse_allgather, cost=LazyRef(_COSTS, "sparse_allgather"),
+    build=LazyRef(_BUILDERS, "build_sparse_allgather_overlap"),
 )
 register_strategy(
     "embrace_noschedule", label="(d) EmbRace, no schedule", short="EmbRace no schedule",
@@ -187,7 +200,7 @@ register_strategy(
 register_strategy(
     "embrace_zero1", label="(e-z1) EmbRace on DeepSpeed ZeRO-1", short="EmbRace ZeRO-1", aliases=("ezero1",),
     description="EmbRace's sharded tables and exchange with the dense layers under DeepSpeed ZeRO stage 1 as the "
-                "ZeRO baselines run it (overlap_comm, contiguous_gradients, 25 MB buckets): DeepSpeed reduces the "
+                "ZeRO baselines run it (overlap_comm, contiguous_gradients, buckets scaled with the model): DeepSpeed reduces the "
                 "dense gradients after the backward, each rank steps its 1/N of the dense optimizer state and its "
                 "own table rows, the updated dense partitions all-gathered",
     volume=V.embrace_zero_partitioned, cost=LazyRef(_EMBRACE_COSTS, "zero1"),

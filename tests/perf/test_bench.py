@@ -176,7 +176,8 @@ def test_quick_mode_end_to_end(tmp_path):
             assert 0.98 * total <= r["wire_bytes_per_rank_per_step"] <= 1.15 * total + 200e3, r
         if get_strategy(r["strategy"]).shards_table:
             assert {"ids", "rows", "grad_rows", "dense_allreduce"} <= set(r["bytes_per_rank_per_step"])
-            assert 0.0 <= r["hidden_share"] <= 1.0
+        if not floor:  # every strategy's overlap, from the same trace
+            assert 0.0 <= r["hidden_share"] <= 1.0 and r["settings"] is not None
         key = f"{r['model']}/w{r['world_size']}/{r['link_gbit']:g}gbit_{r['latency_ms']:g}ms"
         if r["strategy"] != SPEEDUP_SUBJECT:
             subject = next(x for x in runs if x["strategy"] == SPEEDUP_SUBJECT and x["model"] == r["model"]
@@ -200,6 +201,44 @@ def test_quick_mode_end_to_end(tmp_path):
     for png in ("throughput_vs_ranks.png", "bytes_by_kind.png", "timeline_excerpt.png"):
         assert (out / png).stat().st_size > 1000
     assert NC.list_namespaces() == [] or all(not n.startswith(NC.PREFIX) for n in NC.list_namespaces())
+
+
+@pytest.mark.slow
+def test_baselines_record_their_scaled_buckets_and_overlap(tmp_path):
+    """Two ranks of the translation workload, the stock baselines and EmbRace, one round: the
+    run records each strategy's buckets (its experts' setting times the workload's scale),
+    the collectives they made, each baseline's hidden share, the warm-up and the interval method."""
+    from embrace_fairseq.perf.bench.shapes import EXPERT_BUCKETS
+
+    out = tmp_path / "baselines"
+    strategies = ("fairseq_c10d", "deepspeed_zero2", "sparse_allgather", "sparse_allgather_overlap", "embrace_schedule")
+    proc = _quick(out, "--loopback", "--models", "translation", "--worlds", "2", "--rounds", "1",
+                  "--steps-per-round", "2", "--warmup", "1", "--max-warmup", "3", "--strategies", ",".join(strategies))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads((out / "bench.json").read_text())
+    assert "t interval" in res["meta"]["interval_method"] and res["meta"]["schedule"]["citable"] is False
+    runs = {r["strategy"]: r for r in res["runs"]}
+    assert set(runs) == set(strategies)
+    shape = res["workload_shapes"]["translation"]
+    assert shape["vocab"] == shape["real_vocab"] == 32768 and abs(shape["share_gap_points"]) < 5
+    scale = runs["fairseq_c10d"]["settings"]["bucket_scale"]
+    assert scale == pytest.approx(4 * shape["parameters"] / (2 * shape["real_parameters"]))
+    for name in ("fairseq_c10d", "sparse_allgather_overlap"):
+        st = runs[name]["settings"]
+        assert st["bucket_cap_mb"] == pytest.approx(scale * EXPERT_BUCKETS["ddp_bucket_bytes"] / 2**20)
+        assert st["first_bucket_cap_mb"] == pytest.approx(scale * EXPERT_BUCKETS["ddp_first_bucket_bytes"] / 2**20)
+        assert runs[name]["collectives_per_step_by_op"]["all_reduce"] >= 2  # buckets, not one after the backward
+    zero = runs["deepspeed_zero2"]["settings"]["zero_optimization"]
+    assert zero["use_multi_rank_bucket_allreduce"] is False and zero["overlap_comm"] is True
+    assert zero["reduce_bucket_size"] == int(EXPERT_BUCKETS["zero_reduce_bucket_numel"] * 2 * scale / 4)
+    assert runs["deepspeed_zero2"]["collectives_per_step_by_op"]["reduce"] >= 1  # to the owner, not all-reduced
+    embrace = runs["embrace_schedule"]["settings"]["embrace"]
+    assert embrace["piece_bytes"] == int(scale * EXPERT_BUCKETS["embrace_piece_bytes"])
+    for name, r in runs.items():
+        assert 0.0 <= r["hidden_share"] <= 1.0, name
+        assert 1 <= len(r["warmup_step_s"]) <= 3 and len(r["step_s"]) == 2
+    report = (out / "report.md").read_text()
+    assert "## Buckets scaled with the model" in report and "sparse all-gather overlapped" in report
 
 
 @pytest.mark.slow

@@ -157,9 +157,9 @@ def test_real_model_counts_are_fairseqs(prepared, name, monkeypatch):
     assert (table.numel(), sum(p.numel() for p in model.parameters())) == LV.real_parameters(name)
 
 
-def test_workload_shape_of_other_workloads_names_no_model():
-    s = W.workload_shape("translation")
-    assert s["real_model"] is None and s["tokens_per_rank"] == 512
+def test_workload_shape_of_a_synthetic_workload_names_no_model():
+    s = W.workload_shape("lm")
+    assert s["synthetic"] and "real_model" not in s and s["tokens_per_rank"] == 512
     with pytest.raises(KeyError, match="unknown workload"):
         W.workload_shape("nope")
 

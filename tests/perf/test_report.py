@@ -48,7 +48,8 @@ def test_assemble_by_hand():
     # a step takes as long as its slowest rank: ddp [2, 3], (e) [0.5, 1.5]
     assert ddp["step_s"] == [2.0, 3.0] and e["step_s"] == [0.5, 1.5]
     assert ddp["median_step_s"] == 2.5 and e["median_step_s"] == 1.0
-    assert res["ratios"] == {"toy/w2/1gbit_0.1ms": {"fairseq_legacy_ddp": 2.5}}
+    # the geometric mean of the paired ratios 2 / 0.5 and 3 / 1.5
+    assert res["ratios"] == {"toy/w2/1gbit_0.1ms": {"fairseq_legacy_ddp": pytest.approx(8 ** 0.5)}}
     assert e["tokens_per_s"] == 20 / 2.0  # both ranks' tokens over the summed step times
     # the analytic minimum of the hand count in test_bounds: 560 bytes all-reduced, 440 exchanged
     assert ddp["min_bytes_per_rank_per_step"] == 560.0 and ddp["bytes_over_min"] == 1.0
@@ -62,9 +63,12 @@ def test_assemble_by_hand():
 
 def test_markdown_lists_every_run_with_its_label():
     md = markdown(_result(), ["x.png"])
-    # the ratio with its paired-bootstrap interval: resampling the two steps gives
-    # 3/1.5 = 2 (a quarter of the time), 2.5/1 (half) or 2/0.5 = 4 (a quarter)
-    assert "| (a) fairseq legacy_ddp | 2.500 |" in md and "| 2.50x [2.00, 4.00] |" in md
+    # the geometric mean of the paired ratios 2/0.5 and 3/1.5 with its t interval on their
+    # logs (1 degree of freedom at 2 steps: very wide)
+    from embrace_fairseq.perf.bench.stats import log_t_interval
+
+    iv = log_t_interval([2.0, 3.0], [0.5, 1.5])
+    assert "| (a) fairseq legacy_ddp | 2.500 |" in md and f"| 2.83x [{iv['low']:.2f}, {iv['high']:.2f}] |" in md
     assert "| (e) EmbRace, 2D schedule | 1.000 |" in md and "bytes/min" in md
     assert md.index("(a) fairseq legacy_ddp") < md.index("(e) EmbRace")  # registry order
     assert "![x.png](x.png)" in md and "FALLBACK" in md

@@ -14,6 +14,7 @@ from embrace_fairseq.perf.simulator import Network, Prediction, Profile, predict
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
+         "sparse_allgather_overlap",
          "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1", "embrace_nogate", "embrace_gate",
          "embrace_node",
          "embrace_two_level", "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole",
@@ -74,7 +75,8 @@ def test_unknown_names_raise_naming_the_known_ones():
                  lambda: min_bytes_per_step("horovod", world_size=1, vocab=5, dim=2, dense_numel=0,
                                             ids_per_rank=[torch.tensor([1])])):
         with pytest.raises(ValueError, match="unknown strategy 'horovod'; expected one of fairseq_legacy_ddp, "
-                                             "fairseq_c10d, deepspeed, deepspeed_zero1, deepspeed_zero2, sparse_allgather, embrace_noschedule, "
+                                             "fairseq_c10d, deepspeed, deepspeed_zero1, deepspeed_zero2, sparse_allgather, "
+                                                 "sparse_allgather_overlap, embrace_noschedule, "
                                              "embrace_fifo, "
                                              "embrace_schedule"):
             call()

@@ -31,12 +31,14 @@ from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strateg
 from embrace_fairseq.perf.bench import memory_guard as MG
 from embrace_fairseq.perf.bench import netem_cluster as NC
 from embrace_fairseq.perf.bench.allocator import ALLOCATORS
+from embrace_fairseq.perf.bench.regime_goals import MIN_STEPS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the full run's strategies: every stock baseline as its users tune it (fairseq's default
 #: backend c10d, DeepSpeed ZeRO-0/1/2, sparse all-gather), EmbRace at ZeRO-0 (the 2D
 #: schedule) and at ZeRO-1, and the compute-only floor
 FULL_STRATEGIES = ("fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
+                   "sparse_allgather_overlap",
                    "embrace_schedule", "embrace_zero1", "compute_floor")
 
 
@@ -57,7 +59,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=0.1, help="one-way rank-to-rank latency (needs sch_netem)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--steps-per-round", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per strategy at least, before the timed ones (default 1 quick, 2 full)")
+    p.add_argument("--max-warmup", type=int, default=6,
+                   help="untimed steps per strategy at most: after --warmup, more until two in a row agree within "
+                        "15 %% (steady state), up to this many (default %(default)s)")
     p.add_argument("--strategies", default=None,
                    help="comma list of strategies (default: every one quick; the baselines, EmbRace at ZeRO-0 and "
                         "ZeRO-1 and the floor full)")
@@ -90,6 +96,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a.rounds = a.rounds or (2 if a.quick else 4)
     a.steps_per_round = a.steps_per_round or (4 if a.quick else 3)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    if a.rounds * a.steps_per_round < MIN_STEPS:
+        print(f"[bench] note: {a.rounds} rounds x {a.steps_per_round} steps = {a.rounds * a.steps_per_round} timed steps "
+              f"per strategy; the goals give no verdict on fewer than {MIN_STEPS}", file=sys.stderr)
     a.models = [m for m in (a.models or ("lm,translation" if a.quick else "translation,gpt_lm,lm")).split(",") if m]
     a.worlds = [int(x) for x in (a.worlds or ("2,4" if a.quick else "4")).split(",")]
     a.strategies = a.strategies or ",".join(STRATEGIES if a.quick else FULL_STRATEGIES)
@@ -132,7 +141,7 @@ def _launch(a: argparse.Namespace, model: str, cluster: NC.Cluster, links: List[
     """Start the ranks of one (model, world) in their namespaces; wait; return their results."""
     spec = {
         "model": model, "quick": a.quick, "data": str(a.data), "cache": str(a.cache), "out": str(a.out),
-        "tmp": str(tmp), "warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
+        "tmp": str(tmp), "warmup": a.warmup, "max_warmup": a.max_warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
         "strategies": a.strategies, "links": [{"gbit": l.gbit, "latency_ms": l.latency_ms} for l in links],
         "loopback": cluster.loopback, "cluster": {"tag": cluster.tag, "switch_ns": cluster.switch_ns},
         "placement": [{"rank": p.rank, "netns": p.netns, "ifname": p.ifname, "addr": p.addr, "node": p.node}
@@ -349,7 +358,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         # regimes: each run's link and latency are its calibration's (result["regimes"])
         "link": {"gbit": [] if a.regimes else a.gbit, "latency_ms": None if a.regimes else a.latency_ms,
                  "shaping": "loopback" if loopback else ("tbf + netem" if NC.netem_available() else "tbf only")},
-        "schedule": {"warmup": a.warmup, "rounds": a.rounds, "steps_per_round": a.steps_per_round,
+        "schedule": {"warmup": a.warmup, "max_warmup": a.max_warmup, "rounds": a.rounds,
+                     "steps_per_round": a.steps_per_round, "timed_steps": a.rounds * a.steps_per_round,
+                     "citable": a.rounds * a.steps_per_round >= MIN_STEPS,
+                     "warmup_rule": "each strategy: at least warmup untimed steps, then more until two in a row agree "
+                                    "within 15 % (at most max_warmup)",
                      "interleaving": "every round visits every link speed and on it every strategy for steps_per_round "
                                      "steps; both orders rotated each round"},
         "threads_per_rank": 1, "wall_s": None,

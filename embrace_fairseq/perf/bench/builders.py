@@ -6,13 +6,21 @@
     ``DistributedFairseqModel`` (``LegacyDistributedDataParallel``; torch DDP for c10d);
 (b) ``deepspeed``: the stock model under the stock DeepSpeed engine (ZeRO stage 0);
 (b1) ``deepspeed_zero1`` / (b2) ``deepspeed_zero2``: the stock model under DeepSpeed ZeRO
-    stage 1 / 2 as DeepSpeed users run it (:data:`ZERO_TUNING`: ``overlap_comm``,
-    ``contiguous_gradients``, 25 MB buckets): gradients reduced in buckets (during the
-    backward at stage 2), each rank steps its partition of the optimizer state, the
-    updated partitions all-gathered;
+    stage 1 / 2 as DeepSpeed's ZeRO tutorial tunes it (:func:`zero_tuning`:
+    ``overlap_comm``, ``contiguous_gradients``, reduced to the owner, buckets scaled with
+    the model): gradients reduced in buckets (during the backward at stage 2), each rank
+    steps its partition of the optimizer state, the updated partitions all-gathered;
 (c) ``sparse_allgather``: the stock model with ``nn.Embedding(sparse=True)`` under
-    DeepSpeed, which all-gathers the sparse gradient's indices and values; the torch Adam
-    then gets the gathered gradient as a dense tensor (it takes no sparse gradients);
+    DeepSpeed, which all-gathers the sparse gradient's indices and values after the
+    backward; the torch Adam then gets the gathered gradient as a dense tensor (it takes
+    no sparse gradients);
+(c') ``sparse_allgather_overlap``: the same table under torch DDP as (a'): the sparse
+    gradient in a bucket of its own, all-gathered by gloo during the backward like the
+    dense buckets;
+
+Every bucket size is its experts' setting scaled with the model (:func:`bucket_settings`)
+and recorded in the strategy's ``settings``; the stock paths keep a timeline of their
+phases (``own_tracer``) that the bench's collective counter fills with their collectives.
 (d) ``embrace_noschedule``: the EmbRace architecture on DeepSpeed with the EmbRace hook,
     schedule off (``overlap``, ``model_level``, ``tensor_level`` false);
 (d') ``embrace_fifo``: the same with plain overlap (``model_level``, ``tensor_level``
@@ -33,11 +41,16 @@ clipping (DeepSpeed's default of 1.0 turned off), loss = criterion sum / sample 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from embrace_fairseq.core.trace import Tracer
+from embrace_fairseq.perf.bench import large_vocab as LV
+from embrace_fairseq.perf.bench import shapes as SH
 from embrace_fairseq.perf.bench import workloads as W
 from embrace_fairseq.perf.bench.comm_count import CollectiveCounter
 
@@ -71,10 +84,21 @@ class Strategy:
     engine: Any = None
     steps_done: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: a stock path's timeline (its phases; the bench's collective counter adds its
+    #: collectives while the strategy is timed): the same trace EmbRace's hook keeps
+    own_tracer: Any = None
+    #: the settings it was built with (buckets, ZeRO's options), as the run records them
+    settings: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def hook(self) -> Any:
         return getattr(self.engine, "embrace", None)
+
+    @property
+    def tracer(self) -> Any:
+        """The strategy's timeline: EmbRace's hook's, else its own (None: the floor)."""
+        hook = self.hook
+        return hook.tracer if hook is not None else self.own_tracer
 
     @property
     def looks_ahead(self) -> bool:
@@ -104,44 +128,106 @@ class Strategy:
             self.hook.flush()
 
 
+class _Backward:
+    """A stock path's backward on its timeline: from its start until the last gradient was
+    computed, not until ``backward`` returns. Torch DDP waits for its buckets' all-reduces
+    inside ``backward`` (the reducer's finalize callback), so the call's end would count that
+    wait as compute and every bucket as hidden; EmbRace's backward ends when autograd does
+    (its reducer waits at the step). The time of the last gradient is taken by a
+    post-accumulate hook on every parameter."""
+
+    def __init__(self, tracer: Tracer, module: torch.nn.Module) -> None:
+        self.tracer = tracer
+        self.last_us: Optional[float] = None
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, _: torch.Tensor) -> None:
+        self.last_us = self.tracer.now()
+
+    @contextlib.contextmanager
+    def phase(self) -> Any:
+        self.last_us = None
+        start = self.tracer.now()
+        try:
+            yield
+        finally:
+            end = self.tracer.now()
+            self.tracer.compute("backward", start, min(end, self.last_us or end))
+
+
 def _loss(criterion, model_like, batch) -> torch.Tensor:
     loss, sample_size, _ = criterion(model_like, batch)
     return loss / max(1, sample_size)
 
 
-#: ZeRO settings of the stock ZeRO baselines, as DeepSpeed's tuning guide sets them: gradient
-#: reduction overlapped with the backward, gradients copied into one contiguous buffer, and
-#: buckets of 25 MB of fp32 (torch DDP's default; DeepSpeed's 5e8 elements would make one
-#: bucket of these models and leave nothing to overlap).
-ZERO_BUCKET_NUMEL = 25 * 2**20 // 4
-ZERO_TUNING: Dict[str, Any] = {
-    "overlap_comm": True,
-    "contiguous_gradients": True,
-    "reduce_scatter": True,
-    "reduce_bucket_size": ZERO_BUCKET_NUMEL,
-    "allgather_bucket_size": ZERO_BUCKET_NUMEL,
-}
+def bucket_settings(w: W.Workload) -> Dict[str, Any]:
+    """Every strategy's buckets for workload ``w``: its experts' settings scaled by the
+    bench's gradient bytes over the real model's (:func:`.shapes.scaled_buckets`), so the
+    bench model is split into as many buckets as the real one; a synthetic workload keeps
+    the experts' settings as they are."""
+    real = SH.real_numel(w.name)
+    bench = LV.parameters(W.workload_dims(w))[1] if real is not None else None
+    return SH.scaled_buckets(bench, real)
 
 
-#: fairseq's DistributedFairseqModel options of the (a)/(a') baselines: fairseq's defaults
-FAIRSEQ_DDP = {"bucket_cap_mb": 25, "broadcast_buffers": False, "find_unused_parameters": False,
-               "gradient_as_bucket_view": False}
+def zero_tuning(w: W.Workload) -> Dict[str, Any]:
+    """ZeRO's settings as DeepSpeed's ZeRO tutorial tunes stage 1 and 2: reduction overlapped
+    with the backward, gradients copied into one contiguous buffer, reduce-scatter instead of
+    all-reduce, and each bucket's gradients reduced to the rank that owns them instead of
+    all-reduced to every rank (``use_multi_rank_bucket_allreduce`` false: its docs keep the
+    all-reduce for small models on very many GPUs); the buckets (5e8 elements) scaled with
+    the model (:func:`bucket_settings`)."""
+    b = bucket_settings(w)
+    return {"overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
+            "use_multi_rank_bucket_allreduce": False,
+            "reduce_bucket_size": b["zero_reduce_bucket_size"], "allgather_bucket_size": b["zero_allgather_bucket_size"]}
+
+
+def fairseq_ddp(w: W.Workload) -> Dict[str, Any]:
+    """fairseq's DistributedFairseqModel options (fairseq's defaults) with DDP's buckets
+    scaled with the model: ``--bucket-cap-mb`` 25 and the first bucket 1 MiB (torch's
+    ``_DEFAULT_FIRST_BUCKET_BYTES``, which DDP gave the first bucket under every cap in the
+    torch releases fairseq 0.12 ran on), each times :func:`bucket_settings`' scale."""
+    b = bucket_settings(w)
+    return {"bucket_cap_mb": b["ddp_bucket_cap_mb"], "first_bucket_cap_mb": b["ddp_first_bucket_mb"],
+            "broadcast_buffers": False, "find_unused_parameters": False, "gradient_as_bucket_view": False}
+
+
+def embrace_buckets(w: W.Workload) -> Dict[str, int]:
+    """The ``"embrace"`` section's buckets and pieces (4 MB and 1 MB by default) scaled with
+    the model (:func:`bucket_settings`)."""
+    b = bucket_settings(w)
+    return {"bucket_bytes": max(1, int(b["embrace_bucket_mb"] * 2**20)),
+            "piece_bytes": max(1, int(b["embrace_piece_mb"] * 2**20))}
+
+
+def _settings(w: W.Workload, **own: Any) -> Dict[str, Any]:
+    """What a strategy records: its own settings and the scaling they came from."""
+    b = bucket_settings(w)
+    return dict(own, bucket_scale=b["scale"], real_numel=b["real_numel"], bench_numel=b["bench_numel"],
+                real_buckets=b.get("real_buckets"), expected_bench_buckets=b.get("bench_buckets"))
 
 
 def baseline_settings() -> Dict[str, str]:
     """Each strategy's settings as the report prints them (every strategy: torch Adam, lr
-    :data:`LR`, no clipping, fp32)."""
-    ddp = ", ".join(f"{k}={v}" for k, v in FAIRSEQ_DDP.items())
-    zero = ", ".join(f"{k}={v}" for k, v in ZERO_TUNING.items())
+    :data:`LR`, no clipping, fp32); the buckets' sizes per workload are each run's own
+    (its strategies' ``settings``)."""
+    zero = ("overlap_comm, contiguous_gradients, reduce_scatter, use_multi_rank_bucket_allreduce=false, "
+            "reduce/allgather buckets of 5e8 elements scaled with the model")
+    ddp = "bucket_cap_mb 25 and a 1 MiB first bucket scaled with the model, broadcast_buffers=False"
     return {
-        "fairseq_legacy_ddp": f"--ddp-backend legacy_ddp, flat buffers of 2**28 elements; {ddp}",
+        "fairseq_legacy_ddp": "--ddp-backend legacy_ddp, flat buffers of 2**28 elements",
         "fairseq_c10d": f"--ddp-backend c10d (torch DDP, torch's allreduce_hook); {ddp}",
         "deepspeed": "zero_optimization.stage 0 (DeepSpeed's defaults: one all-reduce after the backward)",
         "deepspeed_zero1": f"zero_optimization.stage 1, {zero}",
         "deepspeed_zero2": f"zero_optimization.stage 2, {zero}",
         "sparse_allgather": "stage 0, token table nn.Embedding(sparse=True) (DeepSpeed's sparse_gradients path)",
-        "embrace_schedule": "\"embrace\" defaults: 2D schedule (4 MB buckets, 1 MB pieces, input-near first, "
-                            "no exchange gate), strided shards, --embrace-output auto",
+        "sparse_allgather_overlap": f"torch DDP as (a'), an untied token table nn.Embedding(sparse=True) in a "
+                                    f"bucket of its own (gloo all-gathers its indices and values); {ddp}",
+        "embrace_schedule": "\"embrace\" defaults: 2D schedule (4 MB buckets, 1 MB pieces scaled with the model, "
+                            "input-near first, no exchange gate), strided shards, --embrace-output auto",
         "embrace_zero1": f"EmbRace defaults; dense layers: zero_optimization.stage 1, {zero}",
         "compute_floor": "stock model, every collective skipped",
     }
@@ -161,15 +247,31 @@ def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int,
     return cfg
 
 
-def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Strategy:
-    """The stock model under fairseq's DistributedFairseqModel (``legacy_ddp`` or ``c10d``)."""
+def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data, sparse: bool = False) -> Strategy:
+    """The stock model under fairseq's DistributedFairseqModel (``legacy_ddp`` or ``c10d``);
+    ``sparse``: its token table ``nn.Embedding(sparse=True)`` where no output layer reads it
+    (torch DDP all-reduces a sparse gradient in a bucket of its own, which gloo does by
+    all-gathering its indices and values, during the backward like any bucket)."""
     import torch.distributed as dist
-    from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
+    from fairseq.models import distributed_fairseq_model as dfm
 
     criterion = W.build_criterion(w, task)
     model = W.build_model(w, w.stock_arch, task, data)
-    args = argparse.Namespace(tpu=False, ddp_backend=backend, device_id=0, ddp_comm_hook="none", **FAIRSEQ_DDP)
-    wrapped = DistributedFairseqModel(args, model, dist.group.WORLD, torch.device("cpu"))
+    table_sparse = sparse and not W.tied_tables(w)[0]
+    if table_sparse:
+        W.token_table_module(model, w).sparse = True
+    options = fairseq_ddp(w)
+    first_mb = options.pop("first_bucket_cap_mb")
+    args = argparse.Namespace(tpu=False, ddp_backend=backend, device_id=0, ddp_comm_hook="none", **options)
+    ddp_class = dfm.DistributedDataParallel
+    if backend == "c10d":
+        # fairseq passes one cap; torch takes a first bucket's own cap only as a list of caps
+        # (the first, then the rest's): the same DDP with both of the experts' settings
+        dfm.DistributedDataParallel = functools.partial(ddp_class, bucket_cap_mb_list=[first_mb, options["bucket_cap_mb"]])
+    try:
+        wrapped = dfm.DistributedFairseqModel(args, model, dist.group.WORLD, torch.device("cpu"))
+    finally:
+        dfm.DistributedDataParallel = ddp_class
     if backend == "c10d":
         # torch's stock all-reduce hook (what DDP does by default), issued from Python so that
         # the counted torch.distributed.all_reduce sees its buckets
@@ -178,17 +280,37 @@ def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data) -> Str
         wrapped.module.register_comm_hook(dist.group.WORLD, allreduce_hook)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     call = _CallThrough(wrapped, model)
+    tracer = Tracer(rank=dist.get_rank())
+    backward = _Backward(tracer, model)
 
     def step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
         opt.zero_grad(set_to_none=True)
-        loss = _loss(criterion, call, batch)
-        loss.backward()
+        with tracer.phase("forward"):
+            loss = _loss(criterion, call, batch)
+        with backward.phase():
+            loss.backward()
         if backend == "legacy_ddp":
             wrapped.all_reduce_grads()  # what fairseq's optimizer wrapper calls before the step
-        opt.step()
+        with tracer.phase("step"):
+            _densify(model)
+            opt.step()
         return float(loss.detach())
 
-    return Strategy(name, model, step, extra={"optimizer": opt, "criterion": criterion})
+    settings = ({"ddp_backend": "legacy_ddp", "buffer_numel": 2**28} if backend == "legacy_ddp"
+                else _settings(w, **{**options, "first_bucket_cap_mb": first_mb}))
+    if sparse:
+        settings["sparse_table"] = table_sparse
+        if not table_sparse:
+            settings["sparse_table_note"] = "tied table: its gradient is dense (the output layer's), as in c10d"
+    return Strategy(name, model, step, extra={"optimizer": opt, "criterion": criterion}, own_tracer=tracer,
+                    settings=settings)
+
+
+def _densify(model: torch.nn.Module) -> None:
+    """A sparse gradient made dense for torch's Adam (it takes no sparse gradients)."""
+    for p in model.parameters():
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
 
 
 def build_compute_floor(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
@@ -210,30 +332,38 @@ def build_compute_floor(name: str, w: W.Workload, task: Any, data, counter: Coll
 
 
 def _on_deepspeed(name: str, model: torch.nn.Module, criterion: Any, engine: Any, opt: Any,
-                  sparse: bool = False) -> Strategy:
-    """One step through a DeepSpeed engine (stock or with the EmbRace hook)."""
+                  settings: Dict[str, Any]) -> Strategy:
+    """One step through a DeepSpeed engine (stock or with the EmbRace hook); a stock engine's
+    phases on a timeline of the strategy's own (EmbRace's hook keeps its own)."""
     call = _CallThrough(engine, model)
-
     hook = getattr(engine, "embrace", None)
+    tracer = None if hook is not None else Tracer(rank=engine.global_rank)
+    backward = _Backward(tracer, model) if tracer is not None else None
+
+    def phase(label: str) -> Any:
+        if tracer is None:
+            return contextlib.nullcontext()
+        return backward.phase() if label == "backward" else tracer.phase(label)
 
     def ds_step(batch: Dict[str, Any], next_batch: Optional[Dict[str, Any]] = None) -> float:
-        loss = _loss(criterion, call, batch)
+        with phase("forward"):
+            loss = _loss(criterion, call, batch)
         if hook is not None and hook.relaxed is not None:
             hook.next_batch(next_batch)  # the rows the next batch reads go first
-        engine.backward(loss)  # stock: reduces here (the sparse gradient by all-gather)
-        if sparse:
-            for p in model.parameters():
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
-        engine.step()
+        with phase("backward"):
+            engine.backward(loss)  # stock: reduces here (the sparse gradient by all-gather)
+        with phase("step"):
+            _densify(model)
+            engine.step()
         return float(loss.detach())
 
-    return Strategy(name, model, ds_step, engine=engine, extra={"optimizer": opt, "criterion": criterion})
+    return Strategy(name, model, ds_step, engine=engine, extra={"optimizer": opt, "criterion": criterion},
+                    own_tracer=tracer, settings=settings)
 
 
 def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, zero_stage: int = 0) -> Strategy:
     """The stock model under the stock engine; ``sparse``: its token table sparse;
-    ``zero_stage`` 1 or 2: ZeRO with :data:`ZERO_TUNING`."""
+    ``zero_stage`` 1 or 2: ZeRO with :func:`zero_tuning`."""
     import deepspeed
 
     criterion = W.build_criterion(w, task)
@@ -242,9 +372,10 @@ def _deepspeed_stock(name: str, w: W.Workload, task: Any, data, sparse: bool, ze
         # the first table (a tied one's gradient is dense anyway: the output projection's adds to it)
         W.token_table_module(model, w).sparse = True
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    zero = {"stage": zero_stage, **ZERO_TUNING} if zero_stage else None
+    zero = {"stage": zero_stage, **zero_tuning(w)} if zero_stage else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(None, ROWS_PER_RANK, zero))
-    return _on_deepspeed(name, model, criterion, engine, opt, sparse)
+    settings = _settings(w, zero_optimization=zero or {"stage": 0})
+    return _on_deepspeed(name, model, criterion, engine, opt, settings)
 
 
 NO_OVERLAP = {"overlap": False, "model_level": False, "tensor_level": False}
@@ -256,7 +387,7 @@ def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_pre
     """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on
     (``schedule`` True), off (False) or set by these ``"embrace"`` keys (a dict);
     ``shard_layout``: the ``"embrace"`` section's layout (None: the default);
-    ``zero_stage`` 1: the dense layers under ZeRO-1 with :data:`ZERO_TUNING`;
+    ``zero_stage`` 1: the dense layers under ZeRO-1 with :func:`zero_tuning`;
     ``output``: ``--embrace-output`` for a tied output layer (None: the default, ``auto``)."""
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
@@ -266,14 +397,17 @@ def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_pre
                           extra_args=("--embrace-output", output) if output is not None else ())
     configure(model, criterion)  # what fairseq's Trainer does: a tied output read vocab-parallel when cheaper
     section: Dict[str, Any] = dict(schedule) if isinstance(schedule, dict) else ({} if schedule else dict(NO_OVERLAP))
+    for key, value in embrace_buckets(w).items():
+        section.setdefault(key, value)
     if trace_prefix:
         section["trace"] = trace_prefix
     if shard_layout is not None:
         section["shard_layout"] = shard_layout
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    zero = {"stage": zero_stage, **ZERO_TUNING} if zero_stage else None
+    zero = {"stage": zero_stage, **zero_tuning(w)} if zero_stage else None
     engine, *_ = initialize(model=model, optimizer=opt, config=_ds_config(section, ROWS_PER_RANK, zero))
-    return _on_deepspeed(name, model, criterion, engine, opt)
+    settings = _settings(w, embrace={k: v for k, v in section.items() if k != "trace"}, zero_optimization=zero)
+    return _on_deepspeed(name, model, criterion, engine, opt, settings)
 
 
 # The builders registered in embrace_fairseq.perf.strategies: each builds one strategy
@@ -308,6 +442,11 @@ def build_deepspeed_zero2(name: str, w: W.Workload, task: Any, data, counter: Co
 def build_sparse_allgather(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                            trace_prefix: Optional[str] = None) -> Strategy:
     return _deepspeed_stock(name, w, task, data, sparse=True)
+
+
+def build_sparse_allgather_overlap(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                                   trace_prefix: Optional[str] = None) -> Strategy:
+    return _fairseq_ddp(name, "c10d", w, task, data, sparse=True)
 
 
 def build_embrace_noschedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

@@ -6,8 +6,8 @@ import statistics
 from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.perf.bench.keys import record_link, run_key
-from embrace_fairseq.perf.bench.regime_goals import goals_markdown
-from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, STATISTIC_WORDS, ratio_statistic, verdict
+from embrace_fairseq.perf.bench.regime_goals import drift_flag, goals_markdown
+from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, STATISTIC_WORDS, interval_method, ratio_statistic, verdict
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, STRATEGIES, get_strategy
 
 
@@ -178,6 +178,11 @@ def _of(result: Dict[str, Any]) -> str:
     return STATISTIC_WORDS[ratio_statistic(result.get("meta") or {})]
 
 
+def _method(result: Dict[str, Any]) -> str:
+    """How the result's intervals were computed, in words (:func:`.stats.interval_method`)."""
+    return interval_method(result.get("meta") or {})
+
+
 def _layouts(result: Dict[str, Any]) -> List[str]:
     """Strided against contiguous shards, per run: step ratio with its interval, and balance."""
     checks = result.get("layouts") or {}
@@ -185,7 +190,7 @@ def _layouts(result: Dict[str, Any]) -> List[str]:
         return []
     conf = 100 * result.get("confidence", 0.95)
     L = ["## Shard layouts: strided (default) against contiguous", "",
-         f"Ratio = (e') contiguous step / (e) strided step ({_of(result)}), {conf:.0f} % paired-bootstrap interval; "
+         f"Ratio = (e') contiguous step / (e) strided step ({_of(result)}), {conf:.0f} % interval ({_method(result)}); "
          "owner side max/mean = the busiest rank's bytes over the mean rank's (rows sent in forward, gradient rows "
          "received in backward). Goal: strided no slower at any rank count (interval's lower end at least "
          f"{1 - NO_WORSE_MARGIN:.2f}: at most {100 * NO_WORSE_MARGIN:.0f} % slower), faster where the exchange is "
@@ -209,7 +214,7 @@ def _ablation(result: Dict[str, Any]) -> List[str]:
         return []
     conf = 100 * result.get("confidence", 0.95)
     L = ["## The 2D schedule, part by part", "",
-         f"FIFO / variant = FIFO overlap's step over the variant's ({_of(result)}), {conf:.0f} % paired-bootstrap interval "
+         f"FIFO / variant = FIFO overlap's step over the variant's ({_of(result)}), {conf:.0f} % interval ({_method(result)}) "
          "(above 1: the variant is faster); hidden = share of communication time overlapped by compute; "
          "over floor = median step / the compute-only floor's.", "",
          "| run | variant | median step s | FIFO / variant | hidden | over floor |", "|---|---|---|---|---|---|"]
@@ -281,7 +286,7 @@ def _nodes(result: Dict[str, Any]) -> List[str]:
                  f"{c['node_exchange_inter_node_bytes'] / 1e6:.3f} MB / flat {c['flat_exchange_inter_node_bytes'] / 1e6:.3f} MB = "
                  + ("-" if ratio is None else f"{ratio:.2f}")
                  + f" (goal at most 0.7: {'met' if c['bytes_met'] else 'MISSED'}); flat step / node-aware step "
-                 f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % paired bootstrap"
+                 f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % interval, {_method(result)}"
                  + ("" if "step_met" not in c else
                     f"; goal on this model: lower end at least 1.1: {'met' if c['step_met'] else 'MISSED'}") + ").")
     for key, c in (result.get("two_level") or {}).items():
@@ -289,7 +294,7 @@ def _nodes(result: Dict[str, Any]) -> List[str]:
         L.append(f"- {key}: the dense all-reduce's inter-node bytes per node and step, two levels "
                  f"{c['two_level_dense_inter_node_bytes'] / 1e6:.2f} MB / one ring "
                  f"{c['ring_dense_inter_node_bytes'] / 1e6:.2f} MB; one-ring step / two-level step "
-                 f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % paired bootstrap).")
+                 f"{iv['ratio']:.2f}x{_interval(iv)} ({conf:.0f} % interval, {_method(result)}).")
     L.append("")
     return L
 
@@ -331,29 +336,47 @@ def regimes_section(result: Dict[str, Any]) -> List[str]:
               "limit s | bound by |", "|---|---|---|---|---|---|---|---|---|"]
         for key, c in regimes.items():
             lim = c.get("limit") or {}
-            L.append(f"| {key} | {c['real_model']} | {c['ratio']:.3f} | {c['floor_s']:.3f} | {c['scale']:.1f} | "
+            L.append(f"| {key}{drift_flag(c)} | {c['real_model']} | {c['ratio']:.3f} | {c['floor_s']:.3f} | {c['scale']:.1f} | "
                      f"{_link(c)} | {_latency(c)} | "
                      + (f"{lim['limit_s']:.3f} | {lim['bound_by']} ({_mb(lim['min_bytes'])} MB of "
                         f"{get_strategy(lim['min_bytes_of']).short} in {lim['min_bytes_over_link_s']:.3f} s) |"
                         if lim else "- | - |"))
-        L += ["", f"Step over the limit ({_of(result)}; {conf:.0f} % paired-bootstrap interval):", "",
+        L += ["", f"Step over the limit ({_of(result)}; {conf:.0f} % interval ({_method(result)})):", "",
               "| run | strategy | step / limit |", "|---|---|---|"]
         for key, c in regimes.items():
             over = (c.get("limit") or {}).get("over_limit") or {}
             for s in sorted(over, key=STRATEGIES.index):
-                L.append(f"| {key} | {get_strategy(s).label} | {over[s]['ratio']:.2f}{_interval(over[s])} |")
+                L.append(f"| {key}{drift_flag(c)} | {get_strategy(s).label} | {over[s]['ratio']:.2f}{_interval(over[s])} |")
         L.append("")
         for real in dict.fromkeys((c["real_model"], c.get("real_model_description", "")) for c in regimes.values()):
             L.append(f"- {real[0]}: {real[1]}")
         L.append("")
-    if shapes:
-        L.append("Workload shapes:")
+    return L + shapes_table(shapes)
+
+
+def shapes_table(shapes: Dict[str, Any]) -> List[str]:
+    """The workloads against the released models they are named after (vocabulary,
+    embedding share, tokens per rank), the synthetic ones apart below with why."""
+    if not shapes:
+        return []
+    named = {m: s for m, s in shapes.items() if s.get("real_model")}
+    other = {m: s for m, s in shapes.items() if not s.get("real_model")}
+    L = ["Workload shapes (embedding share: token table over all parameters, a tied table once):", ""]
+    if named:
+        L += ["| workload | real model | vocabulary (real = bench) | embedding share real / bench | "
+              "tokens per rank (published) | note |", "|---|---|---|---|---|---|"]
+        for m, s in named.items():
+            share = (f"{100 * s['real_embedding_share']:.1f} % / {100 * s['embedding_share']:.1f} %"
+                     if s.get("embedding_share") is not None else "-")
+            L.append(f"| {m} | {s['real_model']} | {_value(s.get('vocab'))} | {share} | {_value(s['tokens_per_rank'])}"
+                     f" ({_value(s.get('real_tokens_per_gpu'))}) | {s.get('tokens_note') or '-'} |")
         L.append("")
-        for m, shape in shapes.items():
-            L.append(f"- {m}: " + ", ".join(f"{k} {_value(v)}" for k, v in shape.items()
-                                            if k != "name" and v is not None))
-        L.append("")
-    return L
+    for m, s in other.items():
+        if s.get("synthetic"):
+            L.append(f"- {m} (synthetic, no goal): {s.get('synthetic_reason') or 'stands for no released model'}")
+        else:  # older results: the fields they hold
+            L.append(f"- {m}: " + ", ".join(f"{k} {_value(v)}" for k, v in s.items() if k != "name" and v is not None))
+    return L + ([""] if other else [])
 
 
 def _goal(result: Dict[str, Any]) -> List[str]:
@@ -424,8 +447,45 @@ def _strategies(result: Dict[str, Any]) -> List[str]:
     return L + [""]
 
 
+def _bucket_cells(st: Dict[str, Any]) -> str:
+    """One strategy's bucket settings as the run built it."""
+    if "bucket_cap_mb" in st:
+        return f"DDP buckets {st['bucket_cap_mb']:.3g} MB, first {st['first_bucket_cap_mb']:.3g} MB"
+    if (st.get("embrace") or {}).get("bucket_bytes"):
+        e = st["embrace"]
+        return f"buckets {e['bucket_bytes'] / 2**20:.3g} MB, pieces {e['piece_bytes'] / 2**20:.3g} MB"
+    z = st.get("zero_optimization") or {}
+    if z.get("stage"):
+        return (f"ZeRO-{z['stage']} reduce {z['reduce_bucket_size']:,} / all-gather {z['allgather_bucket_size']:,} "
+                f"elements, use_multi_rank_bucket_allreduce {z.get('use_multi_rank_bucket_allreduce')}")
+    return "-"
+
+
+def _buckets(result: Dict[str, Any]) -> List[str]:
+    """Per workload and strategy: the buckets it was built with (its experts' settings
+    scaled with the model), the collectives it issued per step and its measured hidden share."""
+    rows = [r for r in result["runs"] if r.get("settings")]
+    if not rows:
+        return []
+    L = ["## Buckets scaled with the model", "",
+         "Every bucket size is its experts' setting (fairseq's DDP 25 MB with torch's 1 MiB first bucket, "
+         "DeepSpeed ZeRO's 5e8 elements, EmbRace's 4 MB buckets and 1 MB pieces) times the workload's scale: the "
+         "bench's gradient bytes (fp32) over the real model's (fp16), so that the bench model has as many buckets "
+         "as the real one; a synthetic workload keeps the settings as they are. Hidden: the share of the "
+         "strategy's communication time that overlapped its compute, from the same trace for every strategy.", "",
+         "| run | strategy | scale | settings | collectives / step | hidden |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        st = r["settings"]
+        calls = ", ".join(f"{k} {v:.3g}" for k, v in (r.get("collectives_per_step_by_op") or {}).items()) or "-"
+        hid = "-" if r.get("hidden_share") is None else f"{100 * r['hidden_share']:.0f}%"
+        scale = st.get("bucket_scale")
+        L.append(f"| {run_key(r['model'], r['world_size'], record_link(r))} | {get_strategy(r['strategy']).short} | "
+                 f"{'-' if scale is None else f'{scale:.3g}'} | {_bucket_cells(st)} | {calls} | {hid} |")
+    return L + [""]
+
+
 def markdown(result: Dict[str, Any], plot_names: List[str]) -> str:
-    L = _setup(result["meta"]) + _strategies(result) + _profiles(result) + _run_tables(result) + _layouts(result)
+    L = _setup(result["meta"]) + _strategies(result) + _buckets(result) + _profiles(result) + _run_tables(result) + _layouts(result)
     L += _ablation(result) + attainable_section(result.get("attainable") or {}, 100 * result.get("confidence", 0.95))
     L += _nodes(result) + regimes_section(result) + simulator_section(result)
     # a regime run is judged by the regime goals; the 1 Gbit/s goal section is for fixed links

@@ -22,8 +22,8 @@ from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
 from embrace_fairseq.perf.bench.regime_goals import regime_goal_check
 from embrace_fairseq.perf.bench.workloads import tied_tables
-from embrace_fairseq.perf.bench.stats import (CONFIDENCE, RATIO_STATISTIC, faster, no_worse, paired_ratio_interval,
-                                               ratio_statistic)
+from embrace_fairseq.perf.bench.stats import (CONFIDENCE, INTERVAL_METHODS, RATIO_STATISTIC, faster, no_worse,
+                                               paired_ratio_interval, ratio_statistic)
 from embrace_fairseq.perf.strategies import FLOOR, REFERENCE, SPEEDUP_SUBJECT, UNSCHEDULED_SUBJECT
 
 # Goal (4 ranks, 1 Gbit/s): speedup of (e) over each strategy, per model; judged on the
@@ -167,6 +167,14 @@ def _run_record(name: str, per_rank: List[Dict[str, Any]], model: str, world: in
         "min_bytes_per_rank_per_step": min_b,
         "bytes_over_min": (total / min_b) if min_b else None,
         "hidden_share": statistics.fmean(hidden) if hidden else None,
+        # the settings the strategy was built with (its buckets scaled with the model), the
+        # collectives it issued per step (the buckets those settings made) and its warm-up
+        "settings": per_rank[0].get("settings"),
+        "collectives_per_step_by_op": {k: statistics.fmean(pr.get("calls_per_step_by_op", {}).get(k, 0.0)
+                                                           for pr in per_rank)
+                                       for k in sorted({k for pr in per_rank
+                                                        for k in pr.get("calls_per_step_by_op", {})})},
+        "warmup_step_s": per_rank[0].get("warmup_step_s") or None,
         "exchange_balance": exchange_balance(per_rank, n_steps),
         "trace": per_rank[0].get("trace"),
         "loss": per_rank[0]["loss"],
@@ -179,7 +187,8 @@ def _by_key(runs: List[Dict[str, Any]]) -> Dict[Tuple[str, str], Dict[str, Any]]
 
 def _ratio_intervals(runs: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, float]]]:
     """Each strategy's step over the subject's (:data:`.stats.RATIO_STATISTIC` of the timed
-    steps: the mean, a ratio of throughputs), per run key, with its paired-bootstrap interval (:mod:`.stats`):
+    steps' paired ratios: their geometric mean), per run key, with its interval (:mod:`.stats`: a t interval on
+    the log paired ratios):
     every strategy steps through the same batches, so step ``i`` of one pairs with step
     ``i`` of the other."""
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
@@ -222,7 +231,7 @@ def layout_check(runs: List[Dict[str, Any]],
 
 def schedule_ablation(runs: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
     """Per run key where FIFO overlap ran: each ablation variant's median step, FIFO's
-    median step over the variant's with its paired-bootstrap interval (above 1: the
+    step over the variant's with its interval (:mod:`.stats`) (above 1: the
     variant is faster), its hidden share and its step over the compute-only floor."""
     by = _by_key(runs)
     out: Dict[str, List[Dict[str, Any]]] = {}
@@ -305,7 +314,7 @@ def regime_check(runs: List[Dict[str, Any]], calibrations: Dict[str, Dict[str, A
     scale, link, latency) and the limit: per timed step of the floor, the floor's step or
     the least minimum bytes of the run's strategies (EmbRace's) over the link, whichever is
     longer (:func:`.calibration.limit_steps`); each strategy's step over it, with the
-    paired-bootstrap interval (step ``i`` against the limit of the floor's step ``i``)."""
+    interval (:mod:`.stats`; step ``i`` against the limit of the floor's step ``i``)."""
     by = _by_key(runs)
     out: Dict[str, Any] = {}
     for key, cal in calibrations.items():
@@ -346,7 +355,8 @@ def workload_shapes(models: List[str]) -> Dict[str, Any]:
 
 def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tuple[str, int], Any],
              quick: bool) -> Dict[str, Any]:
-    meta = dict(meta, bounds="perf.bounds.min_bytes_per_step", ratio_statistic=RATIO_STATISTIC)
+    meta = dict(meta, bounds="perf.bounds.min_bytes_per_step", ratio_statistic=RATIO_STATISTIC,
+                interval_method=INTERVAL_METHODS[RATIO_STATISTIC])
     # the machine's 1-minute load, sampled after every round of every launch
     load = [x for launch in raw for link in launch["ranks"][0]["links"] for x in link.get("load_1min", [])]
     if load:

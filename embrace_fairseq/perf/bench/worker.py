@@ -49,6 +49,7 @@ def _diff(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]
 
 # stock paths: counted op -> report kind
 _STOCK_KINDS = {"all_reduce": "dense_allreduce", "all_gather": "sparse_allgather",
+                "sparse_all_reduce": "sparse_allgather", "reduce": "reduce_scatter",
                 "all_gather_into_tensor": "param_allgather", "broadcast": "broadcast",
                 "all_to_all_single": "alltoall", "reduce_scatter_tensor": "reduce_scatter"}
 # EmbRace ledger kind -> report kind
@@ -105,6 +106,7 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
     import torch.distributed as dist
 
     counter.take()
+    counter.tracer = s.own_tracer  # a stock path's collectives on its own timeline
     counter.enabled = True
     snap0 = ledger.snapshot()
     led0, recv0, inter0 = _ledger_bytes(snap0), _ledger_bytes(snap0, "received"), _ledger_bytes(snap0, "inter_node")
@@ -130,6 +132,7 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
     rec["step_s"][-1] += time.perf_counter() - t0
     rec["cpu_s"][-1] += time.process_time() - c0
     counter.enabled = False
+    counter.tracer = None
     rec["wire"] += _tx_bytes(tx_path) - tx0
     snap1 = ledger.snapshot()
     for side, before, into in (("sent", led0, rec["bytes"]), ("received", recv0, rec["received"]),
@@ -137,6 +140,8 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
         for k, v in _diff(_ledger_bytes(snap1, side), before).items():
             k = _LEDGER_KINDS.get(k, k)
             into[k] = into.get(k, 0.0) + v
+    for k, v in counter.take_calls().items():
+        rec["calls"][k] = rec["calls"].get(k, 0) + v
     for k, v in counter.take().items():
         rec["counted"][k] = rec["counted"].get(k, 0.0) + v
 
@@ -156,24 +161,28 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
             by_kind[kk] = by_kind.get(kk, 0.0) + v / n
     entry = {"step_s": rec["step_s"], "cpu_s": rec["cpu_s"], "loss": rec["loss"], "bytes_by_kind": by_kind,
              "counted_bytes_by_op": {k: v / n for k, v in rec["counted"].items()},
+             # collectives per step by op: the buckets each setting made
+             "calls_per_step_by_op": {k: v / n for k, v in rec["calls"].items()},
+             "settings": built[name].settings,
+             "warmup_step_s": rec.get("warmup_step_s", []),
              "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
              "tokens": rec["tokens"], "batch_steps": rec["batch_steps"], "rounds": rec["rounds"]}
     if get_strategy(name).shards_table:  # the exchange's owner side is received in backward
         entry["bytes_received_by_kind"] = {k: v / n for k, v in rec["received"].items()}
         # what left the rank's node (the ledger knows the nodes from the launcher's view)
         entry["inter_node_bytes_by_kind"] = {k: v / n for k, v in rec["inter_node"].items()}
-    hook = built[name].hook
-    if hook is not None:
+    tracer = built[name].tracer  # EmbRace's hook's, or a stock path's own (not the floor's)
+    if tracer is not None:
         # this link's events only: the rounds visit every link, each keeps its own
-        hook.tracer.clear()
-        hook.tracer.extend(rec["trace_events"])
-        summ = hook.tracer.summary()
+        tracer.clear()
+        tracer.extend(rec["trace_events"])
+        summ = tracer.summary()
         entry["trace_summary"] = summ
         entry["hidden_share"] = summ.get("hidden_share")
         tdir = Path(spec["out"]) / "traces" / f"{spec['model']}_w{world}_{link.label()}"
-        path = hook.tracer.save(str(tdir / name))
+        path = tracer.save(str(tdir / name))
         entry["trace"] = os.path.relpath(path, spec["out"])
-        hook.tracer.clear()
+        tracer.clear()
     return entry
 
 
@@ -189,7 +198,8 @@ def _deepspeed_share(rec: Dict[str, Any]) -> Dict[str, float]:
 
 
 def _record() -> Dict[str, Any]:
-    return {"step_s": [], "cpu_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {}, "wire": 0.0,
+    return {"step_s": [], "cpu_s": [], "loss": [], "bytes": {}, "received": {}, "inter_node": {}, "counted": {},
+            "calls": {}, "wire": 0.0,
             "steps": 0, "batch_steps": [], "tokens": 0, "rounds": [], "trace_events": []}
 
 
@@ -213,19 +223,18 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
 
     _set_link(spec, links[0], rank, world, initial=True)
     _log(rank, f"warm-up on {links[0].label()}")
-    for name in spec["strategies"]:
-        s = built[name]
-        for _ in range(spec["warmup"]):
-            s.step(batches.get(s.steps_done, rank), batches.get(s.steps_done + 1, rank) if s.looks_ahead else None)
+    warm = {name: _warm_up(spec, built[name], batches, rank) for name in spec["strategies"]}
     for s in built.values():
-        if s.hook is not None:
-            s.hook.tracer.clear()
+        if s.tracer is not None:
+            s.tracer.clear()
     if spec.get("regimes"):  # the links come from the floor measured now
         calibration[:] = _calibrate(spec, built, batches, rank, world, counter)
         links = [LinkSpec(gbit=c["gbit"], latency_ms=c["latency_ms"], regime=c["regime"]) for c in calibration]
         _set_link(spec, links[0], rank, world, built=built)
     names = list(spec["strategies"])
     per = {(li, n): _record() for li in range(len(links)) for n in names}
+    for n in names:
+        per[(0, n)]["warmup_step_s"] = warm[n]
     load: Dict[int, List[float]] = {li: [] for li in range(len(links))}
     current = 0
     for r in range(spec["rounds"]):
@@ -238,12 +247,36 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
                 rec = per[(li, name)]
                 rec["rounds"].extend([r] * spec["steps_per_round"])
                 _timed_steps(spec, built[name], rec, batches, rank, counter, global_ledger(), tx_path)
-                if built[name].hook is not None:
-                    rec["trace_events"].extend(built[name].hook.tracer.take())
+                if built[name].tracer is not None:
+                    rec["trace_events"].extend(built[name].tracer.take())
             load[li].append(os.getloadavg()[0])
     return [{"link": l.as_dict(),
              "strategies": {n: _entry(spec, n, per[(li, n)], built, l, world) for n in names},
              "load_1min": load[li]} for li, l in enumerate(links)]
+
+
+def _warm_up(spec: Dict[str, Any], s: Any, batches: Any, rank: int) -> List[float]:
+    """A strategy's untimed steps until its step time is steady: at least ``warmup`` steps,
+    then more until the last two agree (:func:`.calibration.is_warm`), at most
+    ``max_warmup``. Rank 0 decides, so every rank steps as often (the collectives pair).
+    The warm-up steps' times (recorded: a reader sees how the strategy settled)."""
+    import torch.distributed as dist
+
+    from embrace_fairseq.core.collectives import all_gather_object
+    from embrace_fairseq.perf.bench.calibration import is_warm
+
+    times: List[float] = []
+    at_most = max(spec["warmup"], spec.get("max_warmup", spec["warmup"]))
+    while len(times) < at_most:
+        if len(times) >= spec["warmup"] and all_gather_object(is_warm(times))[0]:
+            break
+        batch = batches.get(s.steps_done, rank)
+        upcoming = batches.get(s.steps_done + 1, rank) if s.looks_ahead else None
+        dist.barrier()
+        t0 = time.perf_counter()
+        s.step(batch, upcoming)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _calibrate(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, world: int,

@@ -1,18 +1,21 @@
 """The benchmark's models and their batches, built with fairseq from the prepared data.
 
-* ``translation``: the main job's Transformer (2+2 layers, d=256, ffn 512, 4 heads,
-  all embeddings tied, joint 8k sentencepiece vocabulary) on the German-English
-  LibreOffice help (``data/deen/bin``), batched by fairseq's ``batch_by_size``.
-* ``lm``: a Transformer LM over a word-level dictionary of the whole State of the Union
-  text (every whitespace token of train, valid and test: 66k types), trained on the
-  train split in blocks of ``tokens_per_sample``. Input embedding untied from an
-  adaptive softmax output, so the input table dominates the parameters, as in the
-  large-vocabulary LMs EmbRace targets (a tied output would move the full table in
-  every strategy). Named "untied LM" in the reports.
-* ``gpt_lm``: a GPT-style Transformer LM as fairseq users build one: input and output
-  tables tied (``--share-decoder-input-output-embed``), full softmax, over a 32k
-  sentencepiece BPE vocabulary trained on the same English train split (every piece of
-  the model in the dictionary, sorted by frequency as ``fairseq-preprocess`` sorts).
+* ``translation``: shaped after Transformer base (WMT'16 en-de; :mod:`.shapes`): its
+  32,768-row joint table shared by both sides and the output (``--share-all-embeddings``),
+  its embedding share (27.5 %) from a feed-forward width solved for it, 2+2 layers of d 64;
+  the German-English LibreOffice help (``data/deen/bin``, a joint 8k sentencepiece
+  vocabulary on the table's first rows, the rest filler rows as fairseq pads a dictionary),
+  batched by fairseq's ``batch_by_size``.
+* ``gpt_lm``: shaped after GPT-2 small: input and output tables tied
+  (``--share-decoder-input-output-embed``), full softmax, its 50,257 rows (a 32k
+  sentencepiece BPE trained on the English train split on the first rows, sorted by
+  frequency as ``fairseq-preprocess`` sorts, filler rows after them) and its embedding
+  share (31.0 %), 2 layers of d 64.
+* ``lm`` (synthetic: it stands for no released model, :data:`.shapes.SYNTHETIC`): a
+  Transformer LM over a word-level dictionary of the whole State of the Union text (every
+  whitespace token of train, valid and test: 66k types), trained on the train split in
+  blocks of ``tokens_per_sample``. Input embedding untied from an adaptive softmax output,
+  so the input table dominates the parameters. Named "untied LM" in the reports.
 * ``xlmr``, ``mbart``, ``m2m``: large vocabularies shaped after XLM-R base (masked LM,
   250,002 rows), mBART-large (translation, 250,027 rows, one table) and M2M-100 418M
   (multilingual translation, 128,112 rows, one table): their row counts, tokens per rank,
@@ -27,12 +30,15 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from embrace_fairseq.perf.bench import large_vocab as LV
+from embrace_fairseq.perf.bench import shapes as SH
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -47,6 +53,9 @@ class Workload:
     tokens_per_rank: int  # translation: fairseq --max-tokens; lm: blocks x tokens_per_sample
     tokens_per_sample: int = 0
     criterion: str = "cross_entropy"
+    #: rows of the token table: the dictionary padded with filler rows to the released
+    #: model's row count (0: the data's dictionary as it is)
+    vocab_rows: int = 0
 
     @property
     def is_translation(self) -> bool:
@@ -78,14 +87,43 @@ class Workload:
         return ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 
-TRANSLATION_MODEL = (
-    "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
-    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    "--share-all-embeddings", "--dropout", "0.0",
-)
+#: the named small workloads' width and depth; the feed-forward width sets the embedding
+#: share to the real model's (:func:`.shapes.ffn_for_share`)
+NAMED_DIM, NAMED_HEADS, NAMED_LAYERS = 64, 4, 2
+TRANSLATION_ROWS = SH.REAL["translation"].shape.vocab
+GPT_ROWS = SH.REAL["gpt_lm"].shape.vocab
 
+
+def translation_dims():
+    """The translation workload's :class:`~.large_vocab.Shape` (post-norm, sinusoidal,
+    one table): Transformer base's rows and share at the bench's width."""
+    base = LV.Shape(TRANSLATION_ROWS, NAMED_DIM, NAMED_LAYERS, NAMED_LAYERS, 0)
+    return replace(base, ffn=SH.ffn_for_share(base, SH.REAL["translation"].embedding_share))
+
+
+def gpt_dims():
+    """The GPT-style LM's :class:`~.large_vocab.Shape` (a decoder without cross-attention
+    counts as an encoder stack; sinusoidal positions, no final norm, as fairseq's
+    ``transformer_lm`` builds it): GPT-2 small's rows and share at the bench's width."""
+    base = LV.Shape(GPT_ROWS, NAMED_DIM, NAMED_LAYERS, 0, 0)
+    return replace(base, ffn=SH.ffn_for_share(base, SH.REAL["gpt_lm"].embedding_share))
+
+
+def _translation_model() -> Tuple[str, ...]:
+    s = translation_dims()
+    return ("--encoder-layers", str(s.encoder_layers), "--decoder-layers", str(s.decoder_layers),
+            "--encoder-embed-dim", str(s.dim), "--decoder-embed-dim", str(s.dim),
+            "--encoder-ffn-embed-dim", str(s.ffn), "--decoder-ffn-embed-dim", str(s.ffn),
+            "--encoder-attention-heads", str(NAMED_HEADS), "--decoder-attention-heads", str(NAMED_HEADS),
+            "--share-all-embeddings", "--dropout", "0.0")
+
+
+def _gpt_model() -> Tuple[str, ...]:
+    s = gpt_dims()
+    return ("--decoder-layers", str(s.encoder_layers), "--decoder-embed-dim", str(s.dim),
+            "--decoder-input-dim", str(s.dim), "--decoder-output-dim", str(s.dim),
+            "--decoder-ffn-embed-dim", str(s.ffn), "--decoder-attention-heads", str(NAMED_HEADS),
+            "--dropout", "0.0", "--share-decoder-input-output-embed")
 
 # fairseq's transformer_iwslt_de_en (6+6 layers, d=512, ffn 1024, 4 heads) with its decoder
 # table tied to the output projection, as its IWSLT'14 recipe trains it; the encoder
@@ -142,7 +180,8 @@ LARGE_VOCAB = tuple(large_vocab_workloads())
 
 
 def workloads(quick: bool) -> Dict[str, Workload]:
-    """The models; quick mode keeps the translation model and shrinks the LMs and the batches."""
+    """The models; quick mode shrinks the synthetic LM and the translation batches (the
+    named workloads keep their shapes)."""
     lm_dim = 96 if quick else 192
     lm_layers = 1 if quick else 2
     decoder = ("--decoder-layers", str(lm_layers), "--decoder-embed-dim", str(lm_dim),
@@ -150,9 +189,9 @@ def workloads(quick: bool) -> Dict[str, Workload]:
                "--decoder-ffn-embed-dim", str(4 * lm_dim), "--decoder-attention-heads", "4", "--dropout", "0.0")
     return {
         "translation": Workload(
-            "translation", "transformer", "embrace_transformer", TRANSLATION_MODEL,
+            "translation", "transformer", "embrace_transformer", _translation_model(),
             ("--task", "translation", "--source-lang", "de", "--target-lang", "en"),
-            tokens_per_rank=384 if quick else 512,
+            tokens_per_rank=384 if quick else 512, vocab_rows=TRANSLATION_ROWS,
         ),
         "lm": Workload(
             "lm", "transformer_lm", "embrace_transformer_lm",
@@ -167,10 +206,9 @@ def workloads(quick: bool) -> Dict[str, Workload]:
             tokens_per_rank=128 if quick else IWSLT_TOKENS,
         ),
         "gpt_lm": Workload(
-            "gpt_lm", "transformer_lm", "embrace_transformer_lm",
-            (*decoder, "--share-decoder-input-output-embed"),
+            "gpt_lm", "transformer_lm", "embrace_transformer_lm", _gpt_model(),
             ("--task", "language_modeling"),
-            tokens_per_rank=4 * LM_SAMPLE, tokens_per_sample=LM_SAMPLE,
+            tokens_per_rank=4 * LM_SAMPLE, tokens_per_sample=LM_SAMPLE, vocab_rows=GPT_ROWS,
         ),
         **large_vocab_workloads(),
     }
@@ -179,46 +217,54 @@ def workloads(quick: bool) -> Dict[str, Workload]:
 def workload_shape(name: str) -> Dict[str, Any]:
     """What a workload is shaped after, and how close it stays (pure: no model is built).
 
-    For ``xlmr``, ``mbart`` and ``m2m``: the real model's name, its vocabulary and embedding
-    share (from its published dims), the workload's own rows and embedding share (from its
-    dims, by the same count), tokens per rank (the masked LM's exact count; translation's
-    ``--max-tokens`` bound, which fairseq's batches fill up to with padding, so their target
-    tokens are fewer) and masked share (the share of positions the loss is computed on: 0.15
-    for the masked LM, None for translation, whose loss reads every target token). Other
-    workloads are shaped after no named model: those fields are None.
+    For a workload named after a released model (:data:`.shapes.REAL`): the real model's
+    name, vocabulary, parameters and embedding share (from its published dims), the
+    workload's own rows, parameters and share (from its dims, by the same count), the gap in
+    points, tokens per rank (and, where fewer than the published training's, why; for
+    translation the ``--max-tokens`` bound, which fairseq's batches fill up to with padding)
+    and the masked share (the share of positions the loss reads: 0.15 for the masked LM,
+    None elsewhere). A synthetic workload says why it stands for no released model.
     """
-    from embrace_fairseq.perf.bench import large_vocab as LV
-
     w = workloads(quick=False).get(name)
     if w is None:
         raise KeyError(f"unknown workload {name!r}; expected one of {', '.join(workloads(quick=False))}")
-    out: Dict[str, Any] = {"name": name, "real_model": None, "real_vocab": None, "real_embedding_share": None,
-                           "vocab": None, "embedding_share": None, "tokens_per_rank": w.tokens_per_rank,
-                           "masked_share": None, "objective": w.criterion}
-    if name not in LV.REAL:
-        return out
-    real_name, real = LV.REAL[name]
-    shape = workload_dims(w)
-    out.update(real_model=real_name, real_vocab=real.vocab, real_embedding_share=LV.embedding_share(real),
-               vocab=shape.vocab, embedding_share=LV.embedding_share(shape),
-               masked_share=LV.MASK_PROB if w.is_masked_lm else None,
-               objective={"xlmr": "masked LM", "mbart": "translation de->en",
-                          "m2m": "multilingual translation de<->en"}[name],
-               real_parameters=LV.real_parameters(name)[1], parameters=LV.parameters(shape)[1])
+    out: Dict[str, Any] = {"name": name, "objective": w.criterion, "masked_share": None}
+    out.update(SH.describe(name, workload_dims(w) if name in SH.REAL else None, w.tokens_per_rank))
+    if name in LV.REAL:
+        out.update(masked_share=LV.MASK_PROB if w.is_masked_lm else None,
+                   objective={"xlmr": "masked LM", "mbart": "translation de->en",
+                              "m2m": "multilingual translation de<->en"}[name])
+    elif name in SH.REAL:
+        out["objective"] = {"translation": "translation de->en", "gpt_lm": "causal LM"}[name]
     return out
 
 
-def workload_dims(w: Workload):
-    """A large-vocabulary workload's :class:`~.large_vocab.Shape` (the real model's
-    structure with the workload's width and depth)."""
-    from embrace_fairseq.perf.bench import large_vocab as LV
-
+def workload_dims(w: Workload) -> "LV.Shape":
+    """A named workload's :class:`~.large_vocab.Shape` (the real model's structure with the
+    workload's width and depth)."""
+    if w.name == "translation":
+        return translation_dims()
+    if w.name == "gpt_lm":
+        return gpt_dims()
     real = LV.REAL[w.name][1]
     ffn = LARGE_FFN[w.name]
     return LV.Shape(LV.LAYOUTS[w.name].rows, LARGE_DIM, LARGE_LAYERS, LARGE_LAYERS if real.decoder_layers else 0, ffn,
                     learned_positions={"xlmr": XLMR_SAMPLE + 2, "mbart": 1026, "m2m": 0}[w.name],
                     layernorm_embedding=real.layernorm_embedding, final_layer_norm=real.final_layer_norm,
                     lm_head=real.lm_head)
+
+
+def pad_rows(dictionary: Any, rows: int) -> Any:
+    """``dictionary`` with filler symbols (``madeupword``, as fairseq pads a dictionary) after
+    its own up to ``rows`` rows: the released model's table size, the data's symbols keeping
+    their ids. Returns it; a dictionary already larger is an error."""
+    if rows and len(dictionary) > rows:
+        raise ValueError(f"the dictionary has {len(dictionary)} rows, more than the {rows} to pad it to")
+    i = 0
+    while rows and len(dictionary) < rows:
+        dictionary.add_symbol(f"madeupword{i:06d}", n=0)
+        i += 1
+    return dictionary
 
 
 def tied_output(w: Workload) -> bool:
@@ -342,8 +388,6 @@ def prepare_shared_inputs(models: List[str], data: Path, cache_dir: Path) -> Non
         lm_stream(data, cache_dir, lm_dictionary(data, cache_dir))
     if "gpt_lm" in models:
         bpe_corpus(data, cache_dir)
-    from embrace_fairseq.perf.bench import large_vocab as LV
-
     LV.prepare([m for m in models if m in LARGE_VOCAB], data, cache_dir)
 
 
@@ -430,7 +474,8 @@ def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: 
         from fairseq.data import Dictionary, LanguagePairDataset, data_utils
 
         d = data / "deen" / "bin"
-        src_dict, tgt_dict = Dictionary.load(str(d / "dict.de.txt")), Dictionary.load(str(d / "dict.en.txt"))
+        src_dict = pad_rows(Dictionary.load(str(d / "dict.de.txt")), w.vocab_rows)
+        tgt_dict = pad_rows(Dictionary.load(str(d / "dict.en.txt")), w.vocab_rows)
         src = data_utils.load_indexed_dataset(str(d / "train.de-en.de"), src_dict)
         tgt = data_utils.load_indexed_dataset(str(d / "train.de-en.en"), tgt_dict)
         if src is None or tgt is None:
@@ -444,6 +489,7 @@ def build_task_and_batches(w: Workload, world_size: int, data: Path, cache_dir: 
     else:
         dictionary = lm_dictionary(data, cache_dir)
         stream = lm_stream(data, cache_dir, dictionary)
+    dictionary = pad_rows(dictionary, w.vocab_rows)
     task = BenchTask(source_dictionary=dictionary, target_dictionary=dictionary)
     return Batches(w, world_size, task, _stream=stream)
 
@@ -460,8 +506,6 @@ def _pair_batches(pairs: Any, max_tokens: int) -> List[List[int]]:
 
 
 def _large_vocab_batches(w: Workload, world_size: int, data: Path, cache_dir: Path) -> Batches:
-    from embrace_fairseq.perf.bench import large_vocab as LV
-
     d, to_large = LV.cached_dictionary(w.name, data, cache_dir)
     # the masked-LM task and BART's read the dictionary under these names too
     task = BenchTask(source_dictionary=d, target_dictionary=d, dictionary=d)
