@@ -17,7 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
-from embrace_fairseq.perf import volume as V
+from embrace_fairseq.planner import volume as V
 
 # the strategy every speedup is "of", the same with its schedule off (what the schedule
 # gains), and the stock one losses and compute are measured against

@@ -15,9 +15,9 @@ fit of the network knobs), :mod:`.paper` (8-64 GPU projection of the paper's mod
 :mod:`.measure` (a profile measured on this CPU), :mod:`.__main__` (the CLI:
 ``python -m embrace_fairseq.perf.simulator validate|paper|measure``).
 """
-from embrace_fairseq.perf.simulator.embrace_costs import HEADER_BYTES_PER_PEER
+from embrace_fairseq.planner.cost import HEADER_BYTES_PER_PEER
 from embrace_fairseq.perf.simulator.measure import fit_zipf_exponent, measure_translation_profile
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.paper import paper_profiles, paper_study
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
