@@ -26,7 +26,11 @@ PLAN_MODES = (AUTO, SHARD, REPLICATE)
 PLAN_ENV = "EMBRACE_PLAN"
 #: (bucket, piece) sizes the schedule is priced with
 SCHEDULE_SIZES: Tuple[Tuple[int, int], ...] = ((4 << 20, 1 << 20), (4 << 20, 4 << 20), (25 << 20, 4 << 20))
-MB = 1e6
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as the log says them: MB, or kB below a tenth of one."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
 
 
 class PlanError(UserError, ValueError):
@@ -87,12 +91,12 @@ class Plan:
         for name, choice in self.choices:
             t = inputs.table(name)
             mine, stock = self.predicted.table_bytes.get(name, 0.0), self.stock.table_bytes.get(name, 0.0)
-            out.append(f"EmbRace plan: {name} {t.rows:,} x {t.dim}: {choice}, {mine / MB:.1f} MB per step "
-                       f"instead of {stock / MB:.1f} MB")
+            out.append(f"EmbRace plan: {name} {t.rows:,} x {t.dim}: {choice}, {_size(mine)} per step "
+                       f"instead of {_size(stock)}")
         sched = (f"schedule on ({self.bucket_bytes >> 20} MiB buckets, {(self.piece_bytes or 0) >> 20} MiB pieces)"
                  if self.schedule else "schedule off")
-        out.append(f"EmbRace plan ({self.how}, {inputs.world_size} ranks): {sched}; {self.predicted.sent_bytes / MB:.1f}"
-                   f" MB per step instead of {self.stock.sent_bytes / MB:.1f} MB; predicted step "
+        out.append(f"EmbRace plan ({self.how}, {inputs.world_size} ranks): {sched}; {_size(self.predicted.sent_bytes)}"
+                   f" per step instead of {_size(self.stock.sent_bytes)}; predicted step "
                    f"{self.predicted.step_s * 1e3:.1f} ms against stock {self.stock.step_s * 1e3:.1f} ms, "
                    f"{self.speedup:.2f}x")
         return out
