@@ -7,6 +7,7 @@ model (:mod:`.cost`) and the simulator (:mod:`embrace_fairseq.perf.simulator`).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 
@@ -24,17 +25,21 @@ class Job:
 
 
 def run_link(jobs: Sequence[Job]) -> Dict[str, Tuple[float, float]]:
-    """One link, non-preemptive: whenever free, the most urgent ready job goes."""
+    """One link, non-preemptive: whenever free, the most urgent ready job goes (ties: the
+    earlier ready, then the order given). A heap of the ready jobs: thousands of pieces
+    cost milliseconds."""
     pending = sorted(jobs, key=lambda j: (j.ready, j.priority))
     spans: Dict[str, Tuple[float, float]] = {}
-    now = 0.0
-    while pending:
-        ready = [j for j in pending if j.ready <= now]
+    ready: List[Tuple[tuple, float, int]] = []
+    now, i = 0.0, 0
+    while i < len(pending) or ready:
+        while i < len(pending) and pending[i].ready <= now:
+            heapq.heappush(ready, (pending[i].priority, pending[i].ready, i))
+            i += 1
         if not ready:
-            now = min(j.ready for j in pending)
+            now = pending[i].ready
             continue
-        job = min(ready, key=lambda j: (j.priority, j.ready))
-        pending.remove(job)
+        job = pending[heapq.heappop(ready)[2]]
         spans[job.name] = (now, now + job.duration)
         now += job.duration
     return spans
