@@ -1,7 +1,7 @@
 """The data-parallel strategies, each registered once, in the style of fairseq's registries.
 
 A strategy is registered under one name with everything the performance tools need
-of it: its byte formula (:mod:`.volume`, what :func:`.bounds.min_bytes_per_step`
+of it: its byte formula (:mod:`embrace_fairseq.planner.volume`, what :func:`.bounds.min_bytes_per_step`
 returns), its cost in the alpha-beta simulator (:mod:`.simulator`), its builder in
 the emulated-cluster benchmark (:mod:`.bench`), a label for reports and the aliases
 users and older JSON files call it by. Everything else looks strategies up here
