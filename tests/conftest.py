@@ -14,6 +14,12 @@ for p in (os.path.join(HERE, "harness"), ROOT):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+# Every table sharded unless a test says otherwise: on the tests' tiny CPU models the
+# default plan (--embrace-plan auto) may replicate them, and the tests of the sharded path
+# would then test the stock one. Ranks and fairseq-train children inherit it; the tests of
+# the plan itself pass --embrace-plan (or the DeepSpeed config's "plan") explicitly.
+os.environ.setdefault("EMBRACE_PLAN", "shard")
+
 
 @pytest.fixture
 def gloo1():

@@ -80,6 +80,11 @@ class EmbraceConfig:
         their backward and their all-reduce one large product earlier, and the product
         runs while the all-reduce is in flight (:mod:`embrace_fairseq.core.vocab_parallel`).
         The same gradients.
+    plan: which embedding tables ``embrace-ds-train`` builds sharded, as ``--embrace-plan``:
+        ``"auto"`` (the planner's choice from the rates measured at build, never predicted
+        slower than stock), ``"shard"``, ``"replicate"`` or ``"table=choice,..."``. ``None``
+        (default): the flag's value, else ``EMBRACE_PLAN``, else ``"auto"``. A replicated
+        table is a plain parameter the hook reduces with the dense ones.
     two_level_allreduce: on several nodes of several ranks, all-reduce the dense pieces
         in two levels on gloo (inside the node, across on the rails, inside again: less
         across nodes). Default ``false`` (one ring over all ranks): NCCL already builds
@@ -107,6 +112,7 @@ class EmbraceConfig:
     ranks_per_node: Optional[int] = None
     two_level_allreduce: bool = False
     defer_output_grad: bool = True
+    plan: Optional[str] = None
 
 
 _BOOLS = {"model_level", "tensor_level", "overlap", "relaxed_embedding", "next_forward", "exchange_gate", "live_queue",
@@ -146,6 +152,8 @@ def parse_embrace_config(section: Optional[Mapping[str, Any]]) -> EmbraceConfig:
             raise EmbraceConfigError(f"{where} must be null or a positive integer, got {value!r}")
         if key == "shard_layout" and value is not None and value not in LAYOUTS:
             raise EmbraceConfigError(f"{where} must be null or one of {', '.join(repr(x) for x in LAYOUTS)}, got {value!r}")
+        if key == "plan" and value is not None:
+            _check_plan(where, value)
         values[key] = value
     return EmbraceConfig(**values)
 
@@ -168,6 +176,19 @@ def load_json_config(path: str) -> Dict[str, Any]:
         raise ConfigFileError(f"the DeepSpeed config {path} must hold a JSON object ({{...}}), "
                               f"not a {type(config).__name__}")
     return config
+
+
+def _check_plan(where: str, value: Any) -> None:
+    from embrace_fairseq.planner.plan import PLAN_MODES, PlanError, parse_spec
+
+    if not isinstance(value, str) or not value.strip():
+        raise EmbraceConfigError(f"{where} must be null, one of {', '.join(map(repr, PLAN_MODES))} or "
+                                 f"\"table=choice,...\", got {value!r}")
+    if value.strip() not in PLAN_MODES:
+        try:
+            parse_spec(value)
+        except PlanError as e:
+            raise EmbraceConfigError(f"{where}: {e}") from None
 
 
 def split_config(config: Union[None, str, Mapping[str, Any]]) -> Tuple[Optional[Dict[str, Any]], EmbraceConfig]:

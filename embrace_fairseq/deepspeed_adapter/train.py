@@ -54,11 +54,11 @@ def add_deepspeed_args(parser: Any) -> None:
 
 def apply_table_keys(args: Any, argv: List[str], config: Any) -> None:
     """The JSON's table keys (``"embrace.shard_layout"``, ``"exchange"``,
-    ``"ranks_per_node"``) become the ``--embrace-*`` table flags in ``args`` (the model's
+    ``"ranks_per_node"``, ``"plan"``) become the ``--embrace-*`` table flags in ``args`` (the model's
     tables are built with them); an explicit flag that says otherwise stops with
     :class:`FairseqOptionConflict`."""
     for key, flag in (("shard_layout", "--embrace-shard-layout"), ("exchange", "--embrace-exchange"),
-                      ("ranks_per_node", "--embrace-ranks-per-node")):
+                      ("ranks_per_node", "--embrace-ranks-per-node"), ("plan", "--embrace-plan")):
         value = getattr(config, key)
         if value is None:
             continue

@@ -13,6 +13,12 @@ plus ``--embrace-shard-layout {strided,contiguous}``: which rank owns which row
 either, so they load under any layout and world size), and ``--embrace-exchange
 {auto,flat,node}`` with ``--embrace-ranks-per-node``: the route of lookups on a job of
 several nodes (see :mod:`~embrace_fairseq.core.node_exchange`).
+
+``--embrace-plan`` decides which tables are sharded at all (:mod:`.table_plan`): a table
+the plan replicates is built as the stock architecture builds it (a plain embedding, the
+stock tied or untied output layer) and fairseq's data-parallel wrapper all-reduces it.
+The state dict has the same keys under every plan (:func:`fill_tied_keys`), so a
+checkpoint saved under one plan loads under another.
 """
 from __future__ import annotations
 
@@ -38,6 +44,11 @@ from embrace_fairseq.core.node_topology import EXCHANGES, check_exchange
 from embrace_fairseq.fairseq_adapter.scheduled_ddp import (
     SCHEDULE_FLAG, SCHEDULE_HELP, SCHEDULE_MODES, TRACE_FLAG, TRACE_HELP)
 from embrace_fairseq.core.errors import UserError
+from embrace_fairseq.core.process_group import resolve_group
+from embrace_fairseq.fairseq_adapter import table_plan as TP
+from embrace_fairseq.planner.cost import REPLICATE, VOCAB_PARALLEL
+from embrace_fairseq.planner.plan import AUTO as PLAN_AUTO, Plan
+from embrace_fairseq.schedule.plan import ScheduleOptions
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +144,76 @@ def _building_with(options: TableOptions) -> Iterator[None]:
         _building.pop()
 
 
+@dataclass
+class _Planned:
+    """The plan of the model being built and the names of its tables in build order."""
+
+    plan: Optional[Plan]
+    names: List[str]
+
+    def next_replicated(self) -> bool:
+        name = self.names.pop(0) if self.names else None
+        return name is not None and TP.choice(self.plan, name) == REPLICATE
+
+    def output_choice(self) -> Optional[str]:
+        return None if self.plan is None or TP.OUTPUT_PROJECTION not in dict(self.plan.choices) \
+            else self.plan.choice(TP.OUTPUT_PROJECTION)
+
+
+_planned: List[_Planned] = []
+
+
+@contextlib.contextmanager
+def _planning(plan: Optional[Plan], names: List[str]) -> Iterator[_Planned]:
+    _planned.append(_Planned(plan, list(names)))
+    try:
+        yield _planned[-1]
+    finally:
+        _planned.pop()
+
+
+def _next_replicated() -> bool:
+    """Whether the table built now is one the plan replicates (consumes its name)."""
+    return bool(_planned) and _planned[-1].next_replicated()
+
+
+def _output_choice() -> Optional[str]:
+    return _planned[-1].output_choice() if _planned else None
+
+
+def stock_class(cls: type) -> type:
+    """The fairseq model class an EmbRace architecture extends (its first fairseq base)."""
+    return next(c for c in cls.__mro__ if c.__module__.startswith("fairseq."))
+
+
+def fill_tied_keys(model: nn.Module, state_dict: Any) -> None:
+    """Give every name of a tied parameter the value saved under another of its names, so
+    a checkpoint saved where the output layer reads the table (a sharded plan's state dict
+    names the table once) loads where it is the stock tied layer (two names), and back."""
+    names: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        have = [n for n in group if n in state_dict]
+        for n in group if have else ():
+            state_dict.setdefault(n, state_dict[have[0]])
+
+
+class PlanFreeState:
+    """``load_state_dict`` that takes a checkpoint saved under any plan."""
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):  # noqa: D401
+        fill_tied_keys(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+
 def _options_for(args: Any) -> TableOptions:
     if safe_getattr(args, "embrace_shard_layout", None):
         return table_options_of(args)
     return _building[-1] if _building else TableOptions()
 
 
-def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
+def mark_for_fairseq(model: nn.Module, args: Any = None, plan: Optional[Plan] = None) -> None:
     """Keep shards out of fairseq's data-parallel reduction, and note whether the 2D
     schedule takes that reduction over (``--embrace-schedule``, read by
     :mod:`.scheduled_ddp` when fairseq wraps the model).
@@ -149,6 +223,10 @@ def mark_for_fairseq(model: nn.Module, args: Any = None) -> None:
     The shards' gradients are complete after the AlltoAll of the backward pass.
     """
     model.embrace_schedule = str(safe_getattr(args, "embrace_schedule", None) or "on")
+    if plan is not None and plan.how == PLAN_AUTO:  # the plan decides the schedule and its sizes
+        model.embrace_schedule = "on" if plan.schedule else "off"
+        if plan.schedule:
+            model.embrace_schedule_options = ScheduleOptions(piece_bytes=plan.piece_bytes, bucket_bytes=plan.bucket_bytes)
     model.embrace_trace = safe_getattr(args, "embrace_trace", None) or None
     model.embrace_two_level = bool(safe_getattr(args, "embrace_two_level_allreduce", False))
     names = []
@@ -186,6 +264,7 @@ class ShardedTiedOutputMixin:
 
     def __init__(self, *args, embrace_output: str = GATHER, **kwargs):
         self._embrace_output = embrace_output  # read by build_output_projection, during __init__
+        self._embrace_output_choice = _output_choice()  # the plan's, for an untied output projection
         super().__init__(*args, **kwargs)
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):  # noqa: D401
@@ -195,10 +274,13 @@ class ShardedTiedOutputMixin:
         if mode == "vocab-parallel" and not plain:
             raise UnsupportedWithSharding("--embrace-output vocab-parallel needs a plain output layer, "
                                           "not --adaptive-softmax-cutoff")
-        if plain and not self.share_input_output_embed and sharded and mode != GATHER:
+        untied = plain and not self.share_input_output_embed
+        choice = getattr(self, "_embrace_output_choice", None)
+        if untied and mode != GATHER and (choice == VOCAB_PARALLEL or (choice is None and sharded)):
+            layout = embed_tokens.plan.layout if sharded else (_building[-1].layout if _building else DEFAULT_LAYOUT)
             self.output_projection = ShardedOutputProjection(
-                self.output_embed_dim, len(dictionary), embed_tokens.group, mode=mode,
-                layout=embed_tokens.plan.layout)
+                self.output_embed_dim, len(dictionary), embed_tokens.group if sharded else resolve_group(None)[0],
+                mode=mode, layout=layout)
             return self._after_output_projection(cfg)
         tied = self.share_input_output_embed and plain
         if not (tied and isinstance(embed_tokens, ShardedEmbedding)):
@@ -223,7 +305,7 @@ class EmbraceTransformerDecoder(ShardedTiedOutputMixin, TransformerDecoder):
 
 
 @register_model("embrace_transformer")
-class EmbraceTransformerModel(TransformerModel):
+class EmbraceTransformerModel(PlanFreeState, TransformerModel):
     """``transformer`` with vocab-sharded token embeddings (``--arch embrace_transformer*``)."""
 
     @classmethod
@@ -236,17 +318,23 @@ class EmbraceTransformerModel(TransformerModel):
         parser.add_argument("--embrace-two-level-allreduce", action="store_true", help=TWO_LEVEL_HELP)
         parser.add_argument(SCHEDULE_FLAG, choices=list(SCHEDULE_MODES), default="on", help=SCHEDULE_HELP)
         parser.add_argument(TRACE_FLAG, metavar="DIR", default=None, help=TRACE_HELP)
+        parser.add_argument(TP.PLAN_FLAG, metavar="PLAN", default=None, help=TP.PLAN_HELP)
 
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
-        with _building_with(table_options_of(args)):
+        plan = TP.decide(args, task, stock_class(cls), TP.translation_tables(args, task))
+        shared = safe_getattr(args, "share_all_embeddings", False)
+        names = [TP.SHARED] if shared else [TP.ENCODER, TP.DECODER]
+        with _building_with(table_options_of(args)), _planning(plan, names):
             model = super().build_model(args, task)
-        mark_for_fairseq(model, args)
+        mark_for_fairseq(model, args, plan)
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        if _next_replicated():  # the stock table, all-reduced by fairseq's wrapper
+            return super().build_embedding(args, dictionary, embed_dim, path)
         return build_sharded_embedding(dictionary, embed_dim, _options_for(args))
 
     @classmethod
@@ -274,14 +362,15 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
      ("embrace_ranks_per_node", Optional[int], field(default=None, metadata={"help": RANKS_PER_NODE_HELP})),
      ("embrace_two_level_allreduce", bool, field(default=False, metadata={"help": TWO_LEVEL_HELP})),
      ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP})),
-     ("embrace_trace", Optional[str], field(default=None, metadata={"help": TRACE_HELP}))],
+     ("embrace_trace", Optional[str], field(default=None, metadata={"help": TRACE_HELP})),
+     ("embrace_plan", Optional[str], field(default=None, metadata={"help": TP.PLAN_HELP}))],
     bases=(TransformerLanguageModelConfig,),
 )
 EmbraceTransformerLanguageModelConfig.__module__ = __name__
 
 
 @register_model("embrace_transformer_lm", dataclass=EmbraceTransformerLanguageModelConfig)
-class EmbraceTransformerLanguageModel(TransformerLanguageModel):
+class EmbraceTransformerLanguageModel(PlanFreeState, TransformerLanguageModel):
     """``transformer_lm`` with a vocab-sharded token embedding (``--arch embrace_transformer_lm*``)."""
 
     @classmethod
@@ -292,15 +381,19 @@ class EmbraceTransformerLanguageModel(TransformerLanguageModel):
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
         if safe_getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = safe_getattr(args, "tokens_per_sample", 1024)
-        embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
-        decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,
-                                            embrace_output=output_mode(args))
+        plan = TP.decide(args, task, stock_class(cls), TP.lm_tables(args, task))
+        with _building_with(table_options_of(args)), _planning(plan, [TP.DECODER]):
+            embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
+            decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,
+                                                embrace_output=output_mode(args))
         model = cls(decoder)
-        mark_for_fairseq(model, args)
+        mark_for_fairseq(model, args, plan)
         return model
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        if _next_replicated():  # the stock table, all-reduced by fairseq's wrapper
+            return super().build_embedding(args, dictionary, embed_dim, path)
         return build_sharded_embedding(dictionary, embed_dim, _options_for(args))
 
 

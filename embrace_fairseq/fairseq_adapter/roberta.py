@@ -34,14 +34,18 @@ from fairseq.utils import safe_getattr
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.table_alias import TableWeightAlias
 from embrace_fairseq.core.tied_projection import BiasedTiedProjection
+from embrace_fairseq.fairseq_adapter import table_plan as TP
 from embrace_fairseq.fairseq_adapter.models import (
     EmbraceTransformerLanguageModelConfig,
+    PlanFreeState,
     build_sharded_embedding,
     check_supported,
     mark_for_fairseq,
     output_mode,
+    stock_class,
     table_options_of,
 )
+from embrace_fairseq.planner.cost import REPLICATE
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ def shard_roberta(model: RobertaModel, args: Any) -> None:
 
 
 @register_model("embrace_roberta")
-class EmbraceRobertaModel(RobertaModel):
+class EmbraceRobertaModel(PlanFreeState, RobertaModel):
     """``roberta`` with a vocab-sharded token table (``--arch embrace_roberta*``, ``embrace_xlm``)."""
 
     @staticmethod
@@ -117,9 +121,11 @@ class EmbraceRobertaModel(RobertaModel):
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
+        plan = TP.decide(args, task, stock_class(cls), TP.roberta_tables(args, task))
         model = super().build_model(args, task)
-        shard_roberta(model, args)
-        mark_for_fairseq(model, args)
+        if TP.choice(plan, TP.ROBERTA_TABLE) != REPLICATE:  # replicated: the stock table and head
+            shard_roberta(model, args)
+        mark_for_fairseq(model, args, plan)
         return model
 
 

@@ -152,7 +152,9 @@ def _distributed_model(original):
         if getattr(args, "tpu", False) or not wants_schedule(model):
             return original(args, model, process_group, device)
         trace = getattr(model, "embrace_trace", None)
-        return ModuleProxyWrapper(ScheduledDataParallel(model.to(device), process_group, trace=trace,
+        # the plan's bucket and piece sizes where --embrace-plan auto chose them
+        options = getattr(model, "embrace_schedule_options", None)
+        return ModuleProxyWrapper(ScheduledDataParallel(model.to(device), process_group, options=options, trace=trace,
                                                         two_level=getattr(model, "embrace_two_level", False)))
 
     return wrap

@@ -18,7 +18,7 @@ Conventions (docs/DESIGN.md, "Volume per rank per step"):
 Kinds match :mod:`embrace_fairseq.core.ledger`: ``counts``, ``ids``, ``rows``,
 ``grad_rows``, ``table_gather``, ``table_grad``, ``dense_grad``. The formula of each
 strategy is registered with it (:mod:`embrace_fairseq.perf.strategies`, written in
-:mod:`embrace_fairseq.perf.volume`); this module checks the inputs and counts the ids.
+:mod:`embrace_fairseq.planner.volume`); this module checks the inputs and counts the ids.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def unique_counts(ids_per_rank: Sequence[torch.Tensor]) -> List[int]:
 
 @dataclass(frozen=True)
 class StepIds:
-    """A :class:`embrace_fairseq.perf.volume.StepTraffic` from the ids of one step;
+    """A :class:`embrace_fairseq.planner.volume.StepTraffic` from the ids of one step;
     unique ids are counted (exactly) only when a formula reads them."""
 
     world_size: int
@@ -135,7 +135,7 @@ def min_bytes_per_step(
         tokens_per_rank: target tokens of each rank (needed by ``"vocab_parallel"``).
 
     What each strategy must send is the strategy's registered formula, documented in
-    :mod:`embrace_fairseq.perf.volume`. ``total`` is the sum of the kinds. A world of
+    :mod:`embrace_fairseq.planner.volume`. ``total`` is the sum of the kinds. A world of
     one sends nothing.
     """
     spec = get_strategy(strategy)

@@ -1,7 +1,7 @@
 """The data-parallel strategies, each registered once, in the style of fairseq's registries.
 
 A strategy is registered under one name with everything the performance tools need
-of it: its byte formula (:mod:`.volume`, what :func:`.bounds.min_bytes_per_step`
+of it: its byte formula (:mod:`embrace_fairseq.planner.volume`, what :func:`.bounds.min_bytes_per_step`
 returns), its cost in the alpha-beta simulator (:mod:`.simulator`), its builder in
 the emulated-cluster benchmark (:mod:`.bench`), a label for reports and the aliases
 users and older JSON files call it by. Everything else looks strategies up here
@@ -17,7 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
-from embrace_fairseq.perf import volume as V
+from embrace_fairseq.planner import volume as V
 
 # the strategy every speedup is "of", the same with its schedule off (what the schedule
 # gains), and the stock one losses and compute are measured against

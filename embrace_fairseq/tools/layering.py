@@ -2,8 +2,11 @@
 
 Layers, lowest first (a module may import from its own layer and those below)::
 
-    core  <-  optim  <-  schedule  <-  guards  <-  fairseq_adapter, deepspeed_adapter
+    core  <-  optim  <-  schedule  <-  guards  <-  planner  <-  fairseq_adapter, deepspeed_adapter
           <-  perf, recipes, data_prep, tools  <-  embrace_fairseq/__init__.py (public API)
+
+``planner`` (the per-table plan and its cost model) sits below the adapters, which
+build what it chooses, and below ``perf``, whose simulator uses its cost arithmetic.
 
 Every ``import`` and ``from ... import`` counts, also those inside functions (a lazy
 import is still a dependency). Relative imports are resolved; ``from pkg import name``
@@ -31,14 +34,15 @@ LAYERS: Dict[str, int] = {
     "optim": 1,
     "schedule": 2,
     "guards": 3,
-    "fairseq_adapter": 4,
-    "deepspeed_adapter": 4,
-    "perf": 5,
-    "recipes": 5,
-    "data_prep": 5,
-    "tools": 5,
+    "planner": 4,
+    "fairseq_adapter": 5,
+    "deepspeed_adapter": 5,
+    "perf": 6,
+    "recipes": 6,
+    "data_prep": 6,
+    "tools": 6,
 }
-API_RANK = 6
+API_RANK = 7
 
 #: Compiled modules inside the package (no source to read; they import nothing of it).
 EXTENSIONS = {"embrace_fairseq._native"}

@@ -293,6 +293,8 @@ def fairseq_args(w: Workload, arch: str, data: Path, extra_args: Sequence[str] =
             "--criterion", w.criterion]
     if w.tokens_per_sample:
         argv += ["--tokens-per-sample", str(w.tokens_per_sample)]
+    if arch.startswith("embrace_"):  # the fixed EmbRace strategies shard every table (not the auto plan)
+        argv += ["--embrace-plan", "shard"]
     argv += list(extra_args)  # a strategy's own flags, last so that they win (e.g. --embrace-output gather)
     parser = options.get_training_parser()
     return options.parse_args_and_arch(parser, input_args=argv)

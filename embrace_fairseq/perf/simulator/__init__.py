@@ -1,8 +1,9 @@
 """Step-time cost model of the data-parallel strategies, for any world size and link.
 
-A latency-bandwidth (alpha-beta) network (:mod:`.network`): one NIC per rank, ring
+A latency-bandwidth (alpha-beta) network (:mod:`embrace_fairseq.planner.network`): one NIC per rank, ring
 collectives, AlltoAll. Compute is per step (forward, backward, optimizer), the
-backward split over the dense layers in proportion to their size (:mod:`.link`).
+backward split over the dense layers in proportion to their size (:mod:`embrace_fairseq.planner.link`;
+the planner prices its per-table plans with the same network, link and byte formulas).
 Sparse loads come from unique ids per rank through a Zipf model (:mod:`.sparse_loads`),
 and on nodes what a node's ranks ask together (the node-aware exchange merges it).
 Each strategy's cost is registered with it (:mod:`embrace_fairseq.perf.strategies`):
@@ -15,9 +16,9 @@ fit of the network knobs), :mod:`.paper` (8-64 GPU projection of the paper's mod
 :mod:`.measure` (a profile measured on this CPU), :mod:`.__main__` (the CLI:
 ``python -m embrace_fairseq.perf.simulator validate|paper|measure``).
 """
-from embrace_fairseq.perf.simulator.embrace_costs import HEADER_BYTES_PER_PEER
+from embrace_fairseq.planner.cost import HEADER_BYTES_PER_PEER
 from embrace_fairseq.perf.simulator.measure import fit_zipf_exponent, measure_translation_profile
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.paper import paper_profiles, paper_study
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from embrace_fairseq.perf.simulator.link import Job, dense_specs, flat_buckets, ready_times, run_link
+from embrace_fairseq.perf.simulator.link import dense_specs
+from embrace_fairseq.planner.link import Job, flat_buckets, ready_times, run_link
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.schedule.plan import TensorSpec, make_buckets
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
-from embrace_fairseq.perf.simulator.link import Job, dense_specs, ready_times, run_link
+from embrace_fairseq.perf.simulator.link import dense_specs
+from embrace_fairseq.planner.cost import HEADER_BYTES_PER_PEER, SOFTMAX_STAT_BYTES
+from embrace_fairseq.planner.link import Job, ready_times, run_link
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.schedule.plan import cut_pieces, make_buckets, readiness_order
 
-HEADER_BYTES_PER_PEER = 3 * 8  # the exchange header: count, error flag, bad id (int64)
 NODE_HEADER_BYTES_PER_PEER = 4 * 8  # the node-aware exchange's, per hop: the same and the bad id's rank
-SOFTMAX_STAT_BYTES = 2 * 4  # vocab-parallel output: max and sum per token, fp32
 
 
 @dataclass(frozen=True)

@@ -1,43 +1,14 @@
-"""One link shared by the collectives of a step: jobs, buckets and readiness times.
+"""The simulator's view of the step's link: the model's dense layers as tensors.
 
-The scheduled strategies put every collective of a step on one priority link
-(non-preemptive); the backward is split over the dense layers in proportion to their
-size, so a layer's gradient is ready once the layers after it are done.
+The link itself (jobs, buckets, readiness times) is the planner's
+(:mod:`embrace_fairseq.planner.link`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import List
 
 from embrace_fairseq.perf.simulator.profile import Profile
-from embrace_fairseq.schedule.plan import TensorSpec, readiness_order
-
-
-@dataclass
-class Job:
-    """One collective on the link: ready at ``ready``, lower ``priority`` tuples first."""
-
-    name: str
-    ready: float
-    duration: float
-    priority: tuple
-
-
-def run_link(jobs: Sequence[Job]) -> Dict[str, Tuple[float, float]]:
-    """One link, non-preemptive: whenever free, the most urgent ready job goes."""
-    pending = sorted(jobs, key=lambda j: (j.ready, j.priority))
-    spans: Dict[str, Tuple[float, float]] = {}
-    now = 0.0
-    while pending:
-        ready = [j for j in pending if j.ready <= now]
-        if not ready:
-            now = min(j.ready for j in pending)
-            continue
-        job = min(ready, key=lambda j: (j.priority, j.ready))
-        pending.remove(job)
-        spans[job.name] = (now, now + job.duration)
-        now += job.duration
-    return spans
+from embrace_fairseq.schedule.plan import TensorSpec
 
 
 def dense_specs(profile: Profile, extra_output: bool) -> List[TensorSpec]:
@@ -46,27 +17,3 @@ def dense_specs(profile: Profile, extra_output: bool) -> List[TensorSpec]:
     if extra_output:  # the tied output projection: farthest from the input, its gradient ready first
         specs.append(TensorSpec("output_projection", profile.vocab * profile.dim, profile.element_size, len(specs)))
     return specs
-
-
-def ready_times(specs: Sequence[TensorSpec], backward_s: float) -> Dict[int, float]:
-    """When each tensor's gradient is ready, the backward split by size (output first)."""
-    total = sum(s.numel for s in specs) or 1
-    t, out = 0.0, {}
-    for i in readiness_order(specs):
-        t += backward_s * specs[i].numel / total
-        out[i] = t
-    return out
-
-
-def flat_buckets(numels: Iterable[int], cap: int) -> List[int]:
-    """Elements per flat buffer when consecutive tensors fill buffers of up to ``cap``."""
-    buckets, cur = [], 0
-    for n in numels:
-        if cur and cur + n > cap:
-            buckets.append(cur)
-            cur = 0
-        cur += n
-    if cur:
-        buckets.append(cur)
-    return buckets
-

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.prediction import Prediction
 from embrace_fairseq.perf.simulator.profile import Options, Profile

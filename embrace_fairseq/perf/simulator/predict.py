@@ -5,7 +5,7 @@ overlaps is the strategy's registered cost (:mod:`embrace_fairseq.perf.strategie
 """
 from __future__ import annotations
 
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.prediction import CostContext, Prediction
 from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.strategies import get_strategy

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Dict, List, Optional
 
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.simulator.sparse_loads import NodeLoads, SparseLoads
 

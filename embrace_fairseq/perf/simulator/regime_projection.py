@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.paper import AS_BUILT, TOPOLOGIES, Topology, projected, stock_baselines
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.profile import Options, Profile

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, Union
 
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.paper import PAPER_LATENCY_S
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.profile import Profile

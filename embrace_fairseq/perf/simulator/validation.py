@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from embrace_fairseq.perf.bench.keys import record_link, run_key
-from embrace_fairseq.perf.simulator.network import Network
+from embrace_fairseq.planner.network import Network
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, canonical_strategy, get_strategy

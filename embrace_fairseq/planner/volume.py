@@ -5,7 +5,8 @@ registers them under the strategies' names and :func:`embrace_fairseq.perf.bound
 min_bytes_per_step` validates its inputs, counts the ids and calls them. Conventions
 in :mod:`embrace_fairseq.perf.bounds`; ``e`` = element size, ``U_r`` = unique ids of
 rank ``r``. Pure arithmetic: the counts come in through :class:`StepTraffic` (the
-bounds count them with torch, only for the strategies that read them).
+bounds count them with torch, only for the strategies that read them). The planner's
+cost model (:mod:`embrace_fairseq.planner.cost`) prices each table's choice with them.
 
 Key order matters: ``total`` is the sum of the values in insertion order.
 """
