@@ -100,8 +100,35 @@ def all_gather(tensor: torch.Tensor, group: Group = None) -> List[torch.Tensor]:
 def all_gather_object(obj: Any, group: Group = None) -> List[Any]:
     """Every rank's picklable ``obj`` (torch stages it on the group's device)."""
     out: List[Any] = [None] * world_size(group)
+    _cuda_index()  # torch stages the bytes on the current device: the rank's own
     issuing("all_gather_object", group, "var")
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0, group: Group = None) -> Optional[List[Any]]:
+    """Every rank's picklable ``obj`` on group rank ``dst``, in rank order; None on the
+    other ranks, which receive nothing (their memory holds their own object only, at any
+    world size). The writer of a checkpoint needs the others' state, nobody else does.
+
+    Point to point, one sender at a time: ``dst`` holds one peer's bytes on the group's
+    device at a time and unpickles them before the next arrive (``gather_object`` would
+    stage the largest object times the world size there). Logged as one collective."""
+    world, me = world_size(group), rank(group)
+    _cuda_index()  # torch stages the bytes on the current device: the rank's own
+    issuing("gather_object", group, "var")
+    if world == 1:
+        return [obj]
+    if me != dst:
+        dist.send_object_list([obj], group=group, group_dst=dst)
+        return None
+    out: List[Any] = [None] * world
+    out[me] = obj
+    for src in range(world):
+        if src != dst:
+            box: List[Any] = [None]
+            dist.recv_object_list(box, group=group, group_src=src)
+            out[src] = box[0]
     return out
 
 
@@ -125,8 +152,9 @@ def barrier(group: Group = None) -> None:
     """Every rank of ``group`` reaches this point (NCCL: on the current device)."""
     issuing("barrier", group, 0)
     table = _group_table(group)
-    if "cpu" not in table and table.get("cuda") == "nccl" and torch.cuda.is_available():
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    cuda = _cuda_index()
+    if "cpu" not in table and table.get("cuda") == "nccl" and cuda is not None:
+        dist.barrier(group=group, device_ids=[cuda])
     else:
         dist.barrier(group=group)
 
