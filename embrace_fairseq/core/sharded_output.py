@@ -136,6 +136,11 @@ class VocabParallelOutput:
         against columns appended to ``hidden``)."""
         return hidden, self.output_table().weight, None
 
+    def extra_grad_scale(self) -> Optional[float]:
+        """The factor on the gradient of :meth:`shard_operands`' ``extra`` columns, applied in
+        float32 before their one rounding; None: the table's ``grad_scale``."""
+        return None
+
     def project(self, features: torch.Tensor):
         if self.takes_marker:
             return VocabParallelLogits(features, self)
@@ -214,6 +219,7 @@ class VocabParallelLogits:
             rows=table.vocab_ids(), vocab_size=table.num_embeddings, group=table.group,
             grad_scale=table.grad_scale, ledgers=tuple(ledgers_for(table.ledger)),
             deferred=table.deferred_grads if table.defer_output_grad else None,
+            extra_scale=self.layer.extra_grad_scale(),
         )
         hidden, weight, extra = self.layer.shard_operands(hidden)
         self.result = vocab_parallel_loss(
