@@ -114,9 +114,9 @@ def _group_table(group: Group) -> Dict[str, str]:
 
 
 def _cuda_index() -> Optional[int]:
-    """The current CUDA device (None without CUDA), set from ``LOCAL_RANK`` and checked
-    against the other ranks' before the first collective (:mod:`.cuda_device`)."""
-    return ensure_device()
+    """The current CUDA device (None without CUDA), set from ``LOCAL_RANK`` when nothing
+    set it (:mod:`.cuda_device`; the collectives also compare it with the peers')."""
+    return ensure_device(check=False)
 
 
 def backend_for(group: Group = None, device: Any = "cpu") -> str:

@@ -108,7 +108,8 @@ def exchange_identities(identity: str, store: Any, rank: int, world: int, prefix
     return [store.get(k).decode() for k in keys]
 
 
-_DONE: Dict[int, Optional[int]] = {}  # id of the default group -> the device made current
+_SET: Dict[int, int] = {}  # id of the default group -> the device made current
+_CHECKED: Dict[int, bool] = {}  # id of the default group -> the ranks' GPUs compared
 _LOCK = threading.Lock()
 
 
@@ -117,26 +118,29 @@ def _local_rank() -> Optional[int]:
     return int(value) if value.lstrip("-").isdigit() else None
 
 
-def ensure_device() -> Optional[int]:
+def ensure_device(check: bool = True) -> Optional[int]:
     """The current CUDA device (None without CUDA), set from ``LOCAL_RANK`` when nothing
-    set it, and checked once per process group against the other ranks' (see the
-    module's docstring). Call before any collective; collective the first time."""
+    set it (once per process group; local). ``check``: also compare it with the other
+    ranks' GPUs, once per process group: a collective (every rank passes here before its
+    first collective), so only the collectives themselves ask for it; a question such as
+    "which backend runs this tensor" sets the device without waiting for the peers."""
     if not torch.cuda.is_available():
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return torch.cuda.current_device()
     key = id(dist.group.WORLD)
-    if key in _DONE:
+    if key in _CHECKED or (key in _SET and not check):
         return torch.cuda.current_device()
     with _LOCK:
-        if key not in _DONE:
+        if key not in _SET:
             bound = getattr(dist.group.WORLD, "bound_device_id", None)
             choice = choose_device(torch.cuda.current_device(), torch.cuda.device_count(), _local_rank(),
                                    bound.index if bound is not None else None)
             if choice is not None:
                 torch.cuda.set_device(choice)
-            current = torch.cuda.current_device()
-            refuse_shared_gpus(exchange_identities(gpu_identity(current), dist.distributed_c10d._get_default_store(),
+            _SET[key] = torch.cuda.current_device()
+        if check and key not in _CHECKED:
+            refuse_shared_gpus(exchange_identities(gpu_identity(_SET[key]), dist.distributed_c10d._get_default_store(),
                                                    dist.get_rank(), dist.get_world_size()))
-            _DONE[key] = current
+            _CHECKED[key] = True
     return torch.cuda.current_device()
