@@ -23,6 +23,9 @@ driver collects them into ``gpu_check.json`` under ``--out`` (default ``$OUT``, 
   :mod:`gpu_check_device` (each kernel path forced; inputs of asynchronous collectives
   dropped and overwritten under allocator pressure; the relaxed rows' stream beside the
   next forward; device end times of a delayed collective).
+* ``device_placement``: NCCL ranks whose model is built before anything set the device
+  (:mod:`gpu_check_placement`): each on its ``LOCAL_RANK``'s GPU (two GPUs or more), two
+  ranks on one GPU refused with one line on every rank, no hang.
 * ``deepspeed_fp16_skip``: fp16 ZeRO-1 with ``compute_grad_norm: false``: a NaN shard
   gradient skips the step for dense weights and shards alike.
 * ``one_clock``: see :mod:`gpu_check_clock` (a trace's phases, pieces and backward all on
@@ -51,11 +54,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests" / "harness"
 
 #: In running order: the quick, most telling checks first, the training runs last (what
 #: the time limit cuts, if anything).
-CHECKS = ["native_paths", "lifetimes", "relaxed_overlap", "timing", "one_clock", "exchange", "native",
-          "vocab_parallel", "deepspeed_fp16_skip", "deepspeed", "fairseq", "fairseq_resume"]
-GPU_ONLY = {"fairseq", "fairseq_resume", "deepspeed", "deepspeed_fp16_skip"}
+CHECKS = ["native_paths", "lifetimes", "relaxed_overlap", "timing", "one_clock", "device_placement", "exchange",
+          "native", "vocab_parallel", "deepspeed_fp16_skip", "deepspeed", "fairseq", "fairseq_resume"]
+GPU_ONLY = {"fairseq", "fairseq_resume", "deepspeed", "deepspeed_fp16_skip", "device_placement"}
 TIMEOUTS = {"native_paths": 60, "lifetimes": 75, "relaxed_overlap": 60, "timing": 45, "one_clock": 45,
-            "exchange": 90, "native": 45,
+            "device_placement": 120, "exchange": 90, "native": 45,
             "vocab_parallel": 90, "deepspeed_fp16_skip": 75, "deepspeed": 150, "fairseq": 160, "fairseq_resume": 120}
 TOTAL_S = 530  # everything, the native build included: under 9 minutes
 MIN_CHECK_S = 20  # a check is not started with less time than this left

@@ -4,7 +4,8 @@
 # DeepSpeed, the CUDA native kernels bit-exact against the CPU reference, a memory-efficient
 # fp16 resume, ZeRO-1 fp16 skipping a non-finite shard step, buffer lifetimes of asynchronous
 # collectives under allocator pressure, the relaxed rows' stream beside the next forward,
-# device-side collective timing, each native kernel path forced. Writes gpu_check.json (and
+# device-side collective timing, each native kernel path forced, the GPU each rank's collectives
+# use when its model is built before the device is set (two ranks on one GPU refused). Writes gpu_check.json (and
 # a log per check) to --out DIR, else $OUT, else results/gpu_check; the JSON is rewritten
 # after every check. Each check has its own time limit; the whole run, the native build
 # included, stays under 9 minutes.

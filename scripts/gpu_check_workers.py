@@ -16,10 +16,12 @@ def workers() -> Dict[str, Callable[[Path, bool], Dict[str, Any]]]:
     """Every check's body, by name (``scripts/gpu_check.py`` lists the same names)."""
     import gpu_check_clock as C
     import gpu_check_device as G
+    import gpu_check_placement as P
     import gpu_check_train as T
 
     return {"exchange": exchange, "native": native, "native_paths": G.native_paths, "lifetimes": G.lifetimes,
-            "relaxed_overlap": G.relaxed_overlap, "timing": G.timing, "vocab_parallel": vocab_parallel,
+            "relaxed_overlap": G.relaxed_overlap, "timing": G.timing,
+            "device_placement": P.device_placement, "vocab_parallel": vocab_parallel,
             "deepspeed": T.deepspeed_vs_stock, "deepspeed_fp16_skip": T.deepspeed_fp16_skip,
             "fairseq": T.fairseq_vs_stock, "fairseq_resume": T.fairseq_resume, "one_clock": C.one_clock}
 

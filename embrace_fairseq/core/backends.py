@@ -8,10 +8,12 @@ bare ``init_process_group()`` (backend ``"undefined"``) builds only the accelera
 default backend (NCCL on a CUDA machine, gloo without one).
 
 Placement (:func:`placement`, a pure function of that table): a tensor on a device the
-group has a backend for stays there, except that NCCL takes the current CUDA device
-only; a tensor on a device it has none for (a few agreement integers, a digest, a
-validation total on the CPU of an NCCL-only group) is staged to one it has (CUDA first)
-and the result copied back (by :mod:`~embrace_fairseq.core.collectives`).
+group has a backend for stays there (a CUDA tensor on its own device, NCCL included); a
+tensor on a device it has none for (a few agreement integers, a digest, a validation
+total on the CPU of an NCCL-only group) is staged to one it has (CUDA first: the current
+device, which :func:`~embrace_fairseq.core.cuda_device.ensure_device` sets from
+``LOCAL_RANK`` before the first collective) and the result copied back (by
+:mod:`~embrace_fairseq.core.collectives`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from embrace_fairseq.core.cuda_device import ensure_device
 
 Group = Optional["dist.ProcessGroup"]
 
@@ -65,8 +69,9 @@ def placement(backend: str, device: torch.device, cuda_index: Optional[int]) -> 
     ``cuda_index`` is the current CUDA device (None when there is none). Pure: the
     rule every collective here applies.
 
-    * a device the group has a backend for: as given, except that NCCL takes the
-      current CUDA device only;
+    * a device the group has a backend for: as given (a CUDA tensor stays on its own
+      device under NCCL too: the current device may not be the one the tensor, and the
+      rank, use);
     * another device: staged to one the group has a backend for (CUDA first, where
       there is a current CUDA device), e.g. a CPU tensor of an NCCL group;
     * an error where neither applies (NCCL without a CUDA device).
@@ -80,6 +85,8 @@ def _resolve(table: Mapping[str, str], device: torch.device, cuda_index: Optiona
     if device.type in table:
         backend = table[device.type]
         if backend != "nccl":
+            return backend, device
+        if device.index is not None:
             return backend, device
         if cuda_index is None:
             raise RuntimeError("an NCCL process group needs a CUDA device, and none is available "
@@ -107,7 +114,9 @@ def _group_table(group: Group) -> Dict[str, str]:
 
 
 def _cuda_index() -> Optional[int]:
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
+    """The current CUDA device (None without CUDA), set from ``LOCAL_RANK`` when nothing
+    set it (:mod:`.cuda_device`; the collectives also compare it with the peers')."""
+    return ensure_device(check=False)
 
 
 def backend_for(group: Group = None, device: Any = "cpu") -> str:

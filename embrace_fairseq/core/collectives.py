@@ -33,6 +33,7 @@ import torch.distributed as dist
 from embrace_fairseq.core.backends import (  # noqa: F401  (re-exported: the package asks here)
     Group, _cuda_index, _group_table, _resolve, backend_for, backend_name, backend_table, device_for, group_label,
     is_distributed, issues_from_one_thread, placement, rank, single_thread_forced, world_size)
+from embrace_fairseq.core.cuda_device import ensure_device
 from embrace_fairseq.core.issue_log import (  # noqa: F401  (re-exported)
     add_issue_fence, fences_off, issuing, mark_host_vote, remove_issue_fence)
 from embrace_fairseq.core.pending import (  # noqa: F401  (re-exported)
@@ -42,6 +43,7 @@ _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
 def _placed(t: torch.Tensor, group: Group) -> Tuple[torch.Tensor, bool]:
+    ensure_device()  # the first collective: the device set and compared with the peers' GPUs
     d = device_for(group, t.device)
     if t.device == d:
         return t, False
@@ -62,6 +64,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, host_vote: bool = False) ->
     if not is_distributed():
         return None
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    ensure_device()
     if host_vote:
         group = dist.new_group(ranks=ranks, backend="gloo")
         mark_host_vote(group)
@@ -100,8 +103,35 @@ def all_gather(tensor: torch.Tensor, group: Group = None) -> List[torch.Tensor]:
 def all_gather_object(obj: Any, group: Group = None) -> List[Any]:
     """Every rank's picklable ``obj`` (torch stages it on the group's device)."""
     out: List[Any] = [None] * world_size(group)
+    ensure_device()  # torch stages the bytes on the current device: the rank's own
     issuing("all_gather_object", group, "var")
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0, group: Group = None) -> Optional[List[Any]]:
+    """Every rank's picklable ``obj`` on group rank ``dst``, in rank order; None on the
+    other ranks, which receive nothing (their memory holds their own object only, at any
+    world size). The writer of a checkpoint needs the others' state, nobody else does.
+
+    Point to point, one sender at a time: ``dst`` holds one peer's bytes on the group's
+    device at a time and unpickles them before the next arrive (``gather_object`` would
+    stage the largest object times the world size there). Logged as one collective."""
+    world, me = world_size(group), rank(group)
+    ensure_device()  # torch stages the bytes on the current device: the rank's own
+    issuing("gather_object", group, "var")
+    if world == 1:
+        return [obj]
+    if me != dst:
+        dist.send_object_list([obj], group=group, group_dst=dst)
+        return None
+    out: List[Any] = [None] * world
+    out[me] = obj
+    for src in range(world):
+        if src != dst:
+            box: List[Any] = [None]
+            dist.recv_object_list(box, group=group, group_src=src)
+            out[src] = box[0]
     return out
 
 
@@ -125,8 +155,9 @@ def barrier(group: Group = None) -> None:
     """Every rank of ``group`` reaches this point (NCCL: on the current device)."""
     issuing("barrier", group, 0)
     table = _group_table(group)
-    if "cpu" not in table and table.get("cuda") == "nccl" and torch.cuda.is_available():
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    cuda = ensure_device()
+    if "cpu" not in table and table.get("cuda") == "nccl" and cuda is not None:
+        dist.barrier(group=group, device_ids=[cuda])
     else:
         dist.barrier(group=group)
 

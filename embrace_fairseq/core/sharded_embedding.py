@@ -151,6 +151,8 @@ class ShardedEmbedding(nn.Module):
         self._table_grads: Optional[PendingTableGrads] = None
         self._pending_gather: Optional[Tuple[int, PendingGather]] = None  # (weight version at issue, gather)
         self._read_full_table = False  # a projection has read the table: lookups prefetch it
+        # set by an output layer that picks its path per step: whether this step reads the table
+        self.full_table_read_ahead: Optional[Callable[[], Optional[bool]]] = None
         # evaluation replica: (weight version when gathered, full table), see eval_replica()
         self._replica: Optional[Tuple[int, torch.Tensor]] = None
         self._grad_exchange_scope: Optional[Callable[[], ContextManager[None]]] = None
@@ -212,7 +214,7 @@ class ShardedEmbedding(nn.Module):
         replica = self.eval_replica()
         if replica is not None:
             return [self._local_lookup(ids, replica) for ids in ids_list]
-        if self._read_full_table:
+        if self._overlapping() and self._pending_gather is None and self._reads_full_table_this_step():
             # the first lookup of a step starts the gather its output projection will wait for
             self.prefetch_table()
         if not self.is_sharded:
@@ -234,6 +236,13 @@ class ShardedEmbedding(nn.Module):
             outs.append(rows[offset : offset + n].view(*ids.shape, self.embedding_dim))
             offset += n
         return outs
+
+    def _reads_full_table_this_step(self) -> bool:
+        """The output layer's answer where it picks its path per step, else whether the
+        last step's projection read the full table."""
+        ask = self.full_table_read_ahead
+        answer = ask() if ask is not None else None
+        return self._read_full_table if answer is None else answer
 
     def _local_lookup(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         bad = validate_ids(ids, self.num_embeddings)

@@ -14,7 +14,7 @@ keep the logits path.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,7 @@ from embrace_fairseq.core.ledger import ledgers_for
 from embrace_fairseq.core.shard_plan import DEFAULT_LAYOUT
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.vocab_parallel import (
+    AUTO,
     GATHER,
     OUTPUT_MODES,
     VOCAB_PARALLEL,
@@ -53,6 +54,8 @@ class VocabParallelOutput:
     output_mode: str = GATHER
     chooser: Optional[OutputChooser] = None
     _counts_ahead: Optional[PrefetchedCounts] = None  # :meth:`prefetch_token_counts`
+    _counts_known: Optional[List[int]] = None  # those counts, waited for at the table's first lookup
+    _cost_args: Optional[Dict[str, Any]] = None  # the last step's loss: smoothing, accuracy, element size
     _told_deferred = False  # the log has said once that this layer's table gradient is deferred
 
     def output_table(self) -> ShardedEmbedding:  # pragma: no cover - abstract
@@ -65,8 +68,11 @@ class VocabParallelOutput:
 
     def enable_vocab_parallel(self, enabled: bool = True, name: str = "output layer") -> None:
         """Let training steps take the vocab-parallel path (per step when ``auto``)."""
-        on = enabled and self.output_mode != GATHER and self.output_table().is_sharded
+        table = self.output_table()
+        on = enabled and self.output_mode != GATHER and table.is_sharded
         self.chooser = OutputChooser(self.output_mode, name) if on else None
+        # the table's first lookup of a step asks whether to start the full table's gather
+        table.full_table_read_ahead = self.reads_full_table_ahead if on else None
 
     @property
     def takes_marker(self) -> bool:
@@ -80,7 +86,37 @@ class VocabParallelOutput:
         one-element tensor) must be the number of positions the loss will get.
         Collective; call it on every rank alike, only when :attr:`takes_marker`."""
         table = self.output_table()
+        self._counts_known = None
         self._counts_ahead = prefetch_counts(tokens, table.group, tuple(ledgers_for(table.ledger)))
+
+    def path_cost(self, counts: List[int], *, smoothing: bool, accuracy: bool, elem_bytes: int) -> OutputCost:
+        """Bytes of each path for a step with every rank's token ``counts``."""
+        table = self.output_table()
+        return output_bytes(table.num_embeddings, table.embedding_dim, counts, elem_bytes=elem_bytes,
+                            smoothing=smoothing, accuracy=accuracy, max_shard_rows=table.plan.max_shard_size)
+
+    def reads_full_table_ahead(self) -> Optional[bool]:
+        """Whether this step's loss will take the gather path, asked by the table's first
+        lookup (:attr:`ShardedEmbedding.full_table_read_ahead`) before it starts the full
+        table's all-gather: a step that goes vocab-parallel sends no ``V x D`` table and
+        holds none beside its ``M x V/N`` logits. In ``auto`` this waits for the step's
+        token counts (:meth:`prefetch_token_counts`, issued before the forward) and
+        prices them with the last step's loss settings: every rank has the same counts,
+        so every rank gives the same answer (the prefetch is a collective). None where it
+        cannot tell (no counts prefetched, no step decided yet): the table then does what
+        the last step did."""
+        if self.chooser is None or not self.takes_marker:
+            return None
+        if self.chooser.mode != AUTO:
+            return self.chooser.mode == GATHER
+        if self._cost_args is None:
+            return None
+        if self._counts_known is None:
+            if self._counts_ahead is None:
+                return None
+            # a host wait on the tiny count gather: a step on either path waits for it anyway
+            self._counts_known, self._counts_ahead = self._counts_ahead.wait(), None
+        return self.path_cost(self._counts_known, **self._cost_args).choose(AUTO) == GATHER
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
         weight = self.output_table().gathered_weight()
@@ -99,6 +135,11 @@ class VocabParallelOutput:
         more columns of it for a layer with more than ``features @ W^T`` (a bias's rows,
         against columns appended to ``hidden``)."""
         return hidden, self.output_table().weight, None
+
+    def extra_grad_scale(self) -> Optional[float]:
+        """The factor on the gradient of :meth:`shard_operands`' ``extra`` columns, applied in
+        float32 before their one rounding; None: the table's ``grad_scale``."""
+        return None
 
     def project(self, features: torch.Tensor):
         if self.takes_marker:
@@ -143,19 +184,18 @@ class VocabParallelLogits:
         :meth:`VocabParallelOutput.prefetch_token_counts` started that already)."""
         table = self.layer.output_table()
         prefetched, self.layer._counts_ahead = self.layer._counts_ahead, None
-        if prefetched is None:
+        known, self.layer._counts_known = self.layer._counts_known, None
+        if known is None and prefetched is None:
             counts = _gather_counts(hidden_tokens, table.group, tuple(ledgers_for(table.ledger)))
         else:
-            counts = prefetched.wait()
+            counts = known if known is not None else prefetched.wait()
             announced = counts[collectives.rank(table.group)]
             if announced != hidden_tokens:
                 raise RuntimeError(
                     f"{self.layer.chooser.name}: {announced} target tokens were announced to the other "
                     f"ranks before the forward, but the loss got {hidden_tokens}")
-        self.cost = output_bytes(
-            table.num_embeddings, table.embedding_dim, counts, elem_bytes=self.features.element_size(),
-            smoothing=smoothing, accuracy=accuracy, max_shard_rows=table.plan.max_shard_size,
-        )
+        self.layer._cost_args = dict(smoothing=smoothing, accuracy=accuracy, elem_bytes=self.features.element_size())
+        self.cost = self.layer.path_cost(counts, **self.layer._cost_args)
         self.choice = self.layer.chooser.choose(self.cost)
         return self.choice, counts
 
@@ -179,6 +219,7 @@ class VocabParallelLogits:
             rows=table.vocab_ids(), vocab_size=table.num_embeddings, group=table.group,
             grad_scale=table.grad_scale, ledgers=tuple(ledgers_for(table.ledger)),
             deferred=table.deferred_grads if table.defer_output_grad else None,
+            extra_scale=self.layer.extra_grad_scale(),
         )
         hidden, weight, extra = self.layer.shard_operands(hidden)
         self.result = vocab_parallel_loss(

@@ -22,10 +22,10 @@ from embrace_fairseq.core.shard_plan import ShardPlan
 from embrace_fairseq.core.trace import mark_start, record_async
 
 
-def _record_gather(plan: ShardPlan, shard: torch.Tensor, ledgers) -> None:
+def _record_gather(plan: ShardPlan, shard: torch.Tensor, ledgers, kind: str = K.TABLE_GATHER) -> None:
     world = plan.world_size
     nbytes = plan.max_shard_size * math.prod(shard.shape[1:]) * shard.element_size()
-    record_all(ledgers, K.TABLE_GATHER, (world - 1) * nbytes, (world - 1) * nbytes)
+    record_all(ledgers, kind, (world - 1) * nbytes, (world - 1) * nbytes)
 
 
 def _record_grad(plan: ShardPlan, full_grad: torch.Tensor, rank: int, ledgers) -> None:
@@ -35,18 +35,20 @@ def _record_grad(plan: ShardPlan, full_grad: torch.Tensor, rank: int, ledgers) -
                (plan.world_size - 1) * mine * row_bytes)
 
 
-def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers) -> torch.Tensor:
+def _padded_all_gather(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledgers,
+                       kind: str = K.TABLE_GATHER) -> torch.Tensor:
     # gloo's all_gather needs equal sizes on every rank: padded to the largest shard
     mark_start(ledgers)
     full = collectives.all_gather_rows(shard, plan.sizes, group)  # row blocks in plan order
-    _record_gather(plan, shard, ledgers)
+    _record_gather(plan, shard, ledgers, kind)
     return plan.to_vocab_order(full)  # in vocabulary order, whatever the layout
 
 
-def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None) -> torch.Tensor:
-    """Full table on every rank (no autograd). Collective."""
+def gather_full(shard: torch.Tensor, plan: ShardPlan, group, rank: int, ledger: Optional[CommLedger] = None,
+                kind: str = K.TABLE_GATHER) -> torch.Tensor:
+    """Full table on every rank (no autograd), its bytes recorded as ``kind``. Collective."""
     with torch.no_grad():
-        return _padded_all_gather(shard.detach(), plan, group, rank, ledgers_for(ledger))
+        return _padded_all_gather(shard.detach(), plan, group, rank, ledgers_for(ledger), kind)
 
 
 def reduce_scatter_rows(full_grad: torch.Tensor, plan: ShardPlan, group, rank: int, scale: float, ledgers) -> torch.Tensor:

@@ -18,9 +18,13 @@ stays replicated, a dense parameter all-reduced with the others: ``V`` floats a 
 optimizer state and checkpoint key) for no measurable saving. On the vocab-parallel path
 each rank adds its own rows' bias to its own logits (one more column of the shard and
 of the hidden states), so the bias gradient it computes is the sum over every rank's
-tokens for its rows and zero elsewhere; scaled by ``N`` against the shard's ``1/N``,
-the dense all-reduce's average turns it into the data-parallel average, as the gather
-path's full logits give it.
+tokens for its rows. Times ``1/N`` (in float32, before its one rounding, as the table's
+rows) that is the data-parallel average of those rows; the backward all-gathers every
+rank's rows (``V`` elements received, in the bias's dtype), so every rank holds the
+averaged gradient of the whole bias and the dense all-reduce's average leaves it as the
+gather path's full logits give it. Kept on its owner alone, the gradient would have to
+be ``N`` times that (the sum over the ranks) and under fp16 would overflow at a loss
+scale ``N`` times lower than stock DDP's, whose ranks hold their own tokens' sums.
 """
 from __future__ import annotations
 
@@ -30,9 +34,11 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from embrace_fairseq.core import ledger as K
 from embrace_fairseq.core.sharded_embedding import ShardedEmbedding
 from embrace_fairseq.core.sharded_output import VocabParallelOutput
 from embrace_fairseq.core.table_alias import TableWeightAlias
+from embrace_fairseq.core.table_dist import gather_full
 
 
 class TiedShardedProjection(TableWeightAlias, VocabParallelOutput, nn.Module):
@@ -65,17 +71,21 @@ class TiedShardedProjection(TableWeightAlias, VocabParallelOutput, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, tied to a sharded table"
 
 
-class _GradTimes(torch.autograd.Function):
-    """Identity forward; the gradient times ``factor``."""
+class _ReplicatedRows(torch.autograd.Function):
+    """This rank's rows of a replicated vector (the bias), in the shard's row order; the
+    backward gathers every rank's rows' gradients into the whole vector's, on every rank
+    alike (collective: every rank's backward runs it). Recorded as dense gradient bytes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.factor = factor
-        return x.view_as(x)
+    def forward(ctx, full: torch.Tensor, table: ShardedEmbedding) -> torch.Tensor:  # type: ignore[override]
+        ctx.table = table
+        return table.plan.shard_rows(full.detach(), table.rank).clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad * ctx.factor, None
+        table = ctx.table
+        full = gather_full(grad.reshape(-1, 1), table.plan, table.group, table.rank, table.ledger, kind=K.DENSE_GRAD)
+        return full.reshape(-1), None
 
 
 class BiasedTiedProjection(TiedShardedProjection):
@@ -97,11 +107,15 @@ class BiasedTiedProjection(TiedShardedProjection):
 
     def shard_operands(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         table = self.output_table()
-        # this rank's rows of the bias, in the shard's row order; gradient x N: the loss
-        # scales its weight gradient by the shard's 1/N, the dense all-reduce averages
-        rows = _GradTimes.apply(table.plan.shard_rows(self._bias, table.rank), 1.0 / table.grad_scale)
+        # this rank's rows of the bias, in its own dtype: their gradient comes back scaled
+        # (extra_grad_scale) and rounded once, and is gathered whole on every rank
+        rows = _ReplicatedRows.apply(self._bias, table)
         ones = hidden.new_ones(hidden.shape[0], 1)
-        return torch.cat([hidden, ones], dim=1), table.weight, rows.to(table.weight.dtype).unsqueeze(1)
+        return torch.cat([hidden, ones], dim=1), table.weight, rows.unsqueeze(1)
+
+    def extra_grad_scale(self) -> float:
+        # the data-parallel average of a replicated parameter's gradient, on every rank
+        return 1.0 / self.output_table().world_size
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", with a replicated bias"

@@ -319,6 +319,7 @@ class VocabShardSpec:
     vocab_size: int
     group: object = None
     grad_scale: float = 1.0  # on the shard's gradient: 1/N for the data-parallel average
+    extra_scale: Optional[float] = None  # on the extra columns' gradient; None: grad_scale
     ledgers: Tuple[CommLedger, ...] = ()
     deferred: Optional[DeferredGrads] = None  # set: the table's gradient is computed there, later
 
@@ -402,16 +403,20 @@ def _weight_grads(ctx, e: torch.Tensor, h_all: torch.Tensor, col: torch.Tensor, 
     the table's handed to ``spec.deferred`` (None returned) when set."""
     spec, d = ctx.spec, ctx.table_cols
     want_table, want_extra = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    # each scaled in float32, before its one rounding to a half dtype
+    extra_scale = spec.grad_scale if spec.extra_scale is None else spec.extra_scale
     h = h_all.float()
     if ctx.table is None:  # both now, in one product
         if not (want_table or want_extra):
             return None, None
-        gw = weight_grad(e, h, col, coef, g_n, g_s).mul_(spec.grad_scale)
+        gw = weight_grad(e, h, col, coef, g_n, g_s)
+        gw[:, :d].mul_(spec.grad_scale)
+        gw[:, d:].mul_(extra_scale)
         return ((gw[:, :d].to(dtype) if want_table else None),
                 (gw[:, d:].to(ctx.extra_dtype) if want_extra else None))
     grad_extra = None
     if want_extra:  # a dense parameter's: its all-reduce must not wait for the deferral
-        grad_extra = weight_grad(e, h[:, d:], col, coef, g_n, g_s).mul_(spec.grad_scale).to(ctx.extra_dtype)
+        grad_extra = weight_grad(e, h[:, d:], col, coef, g_n, g_s).mul_(extra_scale).to(ctx.extra_dtype)
     table_h = h[:, :d]
 
     def table_grad() -> torch.Tensor:

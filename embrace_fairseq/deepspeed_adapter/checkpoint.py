@@ -21,7 +21,9 @@ mappings, allowed for the load only; a file naming anything else is refused unru
 
 Memory: gathering the full tables and moments is collective, but only rank 0 writes.
 The other ranks drop them as soon as the gather is done, and rank 0 right after the
-write: no rank keeps a full table (or its moments) between saves. Writing is fairseq's
+write: no rank keeps a full table (or its moments) between saves. Per-rank state
+(ZeRO's optimizer partitions, RNG states) goes to rank 0 only, one sender at a time: a
+rank that does not write never holds another rank's state, whatever the world size. Writing is fairseq's
 (``checkpoint_utils.save_checkpoint`` from the trainer in :mod:`.trainer`), made atomic by
 the user dir (:mod:`embrace_fairseq.fairseq_adapter.checkpoint_io`: temporary file, fsync,
 rename, SHA-256 sidecar), so a crash leaves the previous checkpoint intact and a corrupted
@@ -91,8 +93,10 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _gather_objects(obj: Any) -> List[Any]:
-    return collectives.all_gather_object(obj)
+def _gather_objects(obj: Any) -> Optional[List[Any]]:
+    """Every rank's ``obj`` on the writer (rank 0), None elsewhere: a rank that does not
+    write receives no peer's state (under ZeRO each rank's optimizer partition)."""
+    return collectives.gather_object(obj, dst=0)
 
 
 def _plain_torch_optimizer(opt: Any) -> bool:

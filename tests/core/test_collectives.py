@@ -16,8 +16,16 @@ CUDA1 = torch.device("cuda", 1)
 
 # --------------------------------------------------------------------------- placement rule
 @pytest.mark.parametrize("backend", ["nccl", "NCCL"])
-@pytest.mark.parametrize("device", [CPU, torch.device("cuda", 0), CUDA1])
-def test_nccl_takes_the_current_cuda_device(backend, device):
+@pytest.mark.parametrize("device", [torch.device("cuda", 0), CUDA1])
+def test_nccl_keeps_a_cuda_tensor_on_its_own_device(backend, device):
+    # not the current device: a model built before the launcher set it would stage
+    # every local rank's tensors on cuda:0
+    assert C.placement(backend, device, 3) == device
+
+
+@pytest.mark.parametrize("backend", ["nccl", "NCCL"])
+@pytest.mark.parametrize("device", [CPU, torch.device("cuda")])
+def test_nccl_stages_other_tensors_on_the_current_cuda_device(backend, device):
     assert C.placement(backend, device, 3) == torch.device("cuda", 3)
 
 
@@ -53,8 +61,8 @@ def test_backend_tables_are_what_torch_builds():
 
 
 def test_per_device_backend_runs_cuda_tensors_on_nccl():
-    # CUDA tensors go to NCCL (the current device), CPU tensors stay for gloo
-    assert C.placement("cpu:gloo,cuda:nccl", CUDA1, 0) == torch.device("cuda", 0)
+    # CUDA tensors go to NCCL (on their own device), CPU tensors stay for gloo
+    assert C.placement("cpu:gloo,cuda:nccl", CUDA1, 0) == CUDA1
     assert C.placement("cpu:gloo,cuda:nccl", CPU, 0) == CPU
     assert C._resolve(C.backend_table("cpu:gloo,cuda:nccl"), CUDA1, 0)[0] == "nccl"
     assert C._resolve(C.backend_table("cpu:gloo,cuda:nccl"), CPU, 0)[0] == "gloo"
@@ -75,7 +83,7 @@ def test_one_answer_for_which_backend_runs_a_tensor(gloo1, monkeypatch):
     monkeypatch.setattr(backends, "_cuda_index", lambda: 0)
     assert C.backend_for(None, "cuda") == "nccl" and C.issues_from_one_thread(None, "cuda")
     assert C.backend_for(None, "cpu") == "gloo" and not C.issues_from_one_thread(None, "cpu")
-    assert C.device_for(None, CUDA1) == torch.device("cuda", 0)
+    assert C.device_for(None, CUDA1) == CUDA1 and C.device_for(None, "cuda") == torch.device("cuda", 0)
 
 
 def test_single_thread_switch(gloo1, monkeypatch):

@@ -56,7 +56,7 @@ def test_a_new_flag_or_key_appears_without_an_edit_of_the_generator():
     assert keys["brand_new"].default == 3 and keys["brand_new"].description == R.NO_DESCRIPTION
     page = R.render([flag], keys.values())
     assert "| `--embrace-new-thing` | `a`, `b` | `a` | all | does a \\| b |" in page
-    assert "| `brand_new` |" in page and "20 keys" in page
+    assert "| `brand_new` |" in page and f"{len(dataclasses.fields(Extended))} keys" in page
 
 
 def test_check_names_a_stale_page(tmp_path, capsys):
