@@ -15,11 +15,12 @@
 # Runs (each its own bench.json and report.md under results/bench/regime/<run>/):
 #   w4            the main-job translation model, the tied GPT-style LM and the untied LM on 4 ranks:
 #                 every stock baseline (c10d, DeepSpeed ZeRO-1 and ZeRO-2, sparse all-gather after and during
-#                 the backward), EmbRace
-#                 with the 2D schedule and the floor; 4 rounds x 2 steps (about 8 min);
+#                 the backward), EmbRace with the 2D schedule, the default plan (embrace_auto) and the floor;
+#                 4 rounds x 2 steps, each regime its own launch (about 14 min);
 #   xlmr_w2, m2m_w2  the XLM-R and M2M-100 workloads on 2 ranks pinned to a core each, the same
 #                 strategies and EmbRace with the output layer's table gradient in its backward (the
-#                 deferral's ablation); 8 rounds x 1 step (about 30 and 20 min). XLM-R on 4 ranks does not fit:
+#                 deferral's ablation; LARGE_STRATEGIES=embrace_schedule leaves it out); 8 rounds x 1 step,
+#                 each regime its own launch (about 35 and 25 min). XLM-R on 4 ranks does not fit:
 #                 a rank peaks at 7.5 GB (the masked positions' logits over 250k rows, the feed-forward
 #                 activations of 8,192 tokens) and 4 ranks would need about 29 GB of this machine's 23;
 #   m2m_w4        M2M-100 on 4 ranks (2 per core), the same strategies; 8 rounds x 1 step (about 40 min);
@@ -64,6 +65,15 @@ if ! "$PY" -c "from embrace_fairseq.perf.bench.allocator import find_jemalloc as
   fi
 fi
 bench() { "$PY" -m embrace_fairseq.perf.bench --regime "$REGIMES" --warmup 1 --allocator "${ALLOCATOR:-auto}" "$@"; }
+# The runs with the default plan (embrace_auto) launch once per regime: a plan is decided once, on
+# the link a job starts on, so each regime's run is its own (results in $OUT/<run>/<regime>/).
+per_regime() {
+  local out="$1"; shift
+  for regime in ${REGIMES//,/ }; do
+    "$PY" -m embrace_fairseq.perf.bench --regime "$regime" --warmup 1 --allocator "${ALLOCATOR:-auto}" "$@" \
+          --out "$out/$regime"
+  done
+}
 
 BASELINES=fairseq_c10d,deepspeed_zero1,deepspeed_zero2,sparse_allgather,sparse_allgather_overlap
 LARGE=embrace_schedule,embrace_eager_output_grad  # EmbRace and the deferral's ablation
@@ -71,13 +81,13 @@ ABLATION=embrace_noschedule,embrace_fifo,embrace_schedule,embrace_next_forward,e
 LAYOUT_OUTPUT=embrace_contiguous,embrace_output_gather,embrace_output_vocab_parallel
 
 run_w4() {
-  bench --models translation,gpt_lm,lm --worlds 4 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
-        --strategies "$BASELINES,embrace_schedule,compute_floor" --out "$OUT/w4"
+  per_regime "$OUT/w4" --models translation,gpt_lm,lm --worlds 4 --rounds "${ROUNDS:-4}" --steps-per-round "${STEPS:-2}" \
+        --strategies "$BASELINES,embrace_schedule,embrace_auto,compute_floor"
 }
 large_w2() {
-  bench --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" \
+  per_regime "$OUT/$1_w2" --models "$1" --worlds 2 --pin-cores --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" \
         --calibration-steps 2 --timeout 9000 \
-        --strategies "$BASELINES,$LARGE,compute_floor" --out "$OUT/$1_w2"
+        --strategies "$BASELINES,${LARGE_STRATEGIES:-$LARGE},embrace_auto,compute_floor"
 }
 run_xlmr_w2() { large_w2 xlmr; }
 run_m2m_w2() { large_w2 m2m; }
@@ -122,10 +132,7 @@ for run in ${RUNS:-${PLAN[@]}}; do
   declare -F "run_$run" >/dev/null || { echo "bench_regime.sh: no run named '$run' (runs: ${PLAN[*]} mbart_w2 mbart_ablation_w2 xlmr_w4 mbart_w4 layout_w8)" >&2; exit 2; }
   "run_$run"
 done
-# the goals read every folder of the plan that is there (a RUNS subset keeps the others' results)
+# the goals read every results folder there, a run's or a run's regime's (a RUNS subset keeps the others')
 FOLDERS=()
-for run in w4 xlmr_w2 m2m_w2 mbart_w2 m2m_w4 ablation_w2 ablation_w4 nodes_2x2 xlmr_layout_w2 mbart_ablation_w2 \
-           xlmr_w4 mbart_w4 layout_w8; do
-  [ -f "$OUT/$run/bench.json" ] && FOLDERS+=("$OUT/$run")
-done
+while IFS= read -r f; do FOLDERS+=("$(dirname "$f")"); done < <(find "$OUT" -name bench.json | sort)
 "$PY" -m embrace_fairseq.perf.bench.regime_goals "${FOLDERS[@]}" --fit-on translation:v100-25g --out "$OUT/goals.md"

@@ -223,6 +223,7 @@ def mark_for_fairseq(model: nn.Module, args: Any = None, plan: Optional[Plan] = 
     The shards' gradients are complete after the AlltoAll of the backward pass.
     """
     model.embrace_schedule = str(safe_getattr(args, "embrace_schedule", None) or "on")
+    model.embrace_plan = plan  # the plan it was built under (None: every table as the flags say)
     if plan is not None and plan.how == PLAN_AUTO:  # the plan decides the schedule and its sizes
         model.embrace_schedule = "on" if plan.schedule else "off"
         if plan.schedule:

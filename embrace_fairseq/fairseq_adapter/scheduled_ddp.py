@@ -49,7 +49,8 @@ TRACE_HELP = ("with the 2D schedule: write a Chrome trace per rank, DIR/trace.ra
               "hidden behind compute at the end of training")
 SCHEDULE_HELP = ("on: the dense gradients of an EmbRace model are all-reduced during the backward in the 2D "
                  "schedule's order (input-near layers first, in pieces), replacing --ddp-backend's reduction; "
-                 "off: fairseq's own data-parallel wrapper")
+                 "off: fairseq's own data-parallel wrapper. Under --embrace-plan auto, 'on' lets the plan "
+                 "decide (and size the buckets and pieces), 'off' holds")
 
 _APPLIED = False
 

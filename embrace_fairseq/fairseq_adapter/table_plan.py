@@ -94,7 +94,8 @@ def roberta_tables(args: Any, task: Any) -> List[TableInput]:
     masked = max(1, int(t * float(safe_getattr(args, "mask_prob", 0.15))))
     # untied, the head keeps the stock replicated projection: not a table of the plan
     return [TableInput(ROBERTA_TABLE, len(task.source_dictionary), int(args.encoder_embed_dim),
-                       TIED if tied else INPUT, lookups_per_rank=t, output_tokens_per_rank=masked if tied else 0)]
+                       TIED if tied else INPUT, lookups_per_rank=t, output_tokens_per_rank=masked if tied else 0,
+                       output_bias=tied)]  # the LM head's bias
 
 
 def _dense_numel(stock_cls: Any, args: Any, task: Any, tables: Sequence[TableInput]) -> int:

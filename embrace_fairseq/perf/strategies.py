@@ -58,6 +58,9 @@ class StrategySpec:
     # EmbRace under DeepSpeed ZeRO: DeepSpeed reduces the dense gradients itself, so their
     # bytes come from its counted collectives, not from EmbRace's ledger
     dense_by_deepspeed: bool = False
+    #: the planner decides at build, from the link it is built on, what it shards (the
+    #: default plan): neither a baseline nor a fixed EmbRace configuration
+    planned: bool = False
 
 
 _REGISTRY: Dict[str, StrategySpec] = {}
@@ -71,7 +74,8 @@ def _key(name: str) -> str:
 def register_strategy(name: str, *, label: str, short: str, description: str,
                       volume: Callable[[V.StepTraffic], Dict[str, float]], cost: Callable[..., Any],
                       build: Callable[..., Any], aliases: Tuple[str, ...] = (),
-                      shards_table: bool = False, dense_by_deepspeed: bool = False) -> StrategySpec:
+                      shards_table: bool = False, dense_by_deepspeed: bool = False,
+                      planned: bool = False) -> StrategySpec:
     """Register a strategy under ``name`` (and its aliases); a name taken twice raises."""
     if _key(name) != name:
         raise ValueError(f"strategy names are lower case with underscores, got {name!r}")
@@ -79,7 +83,7 @@ def register_strategy(name: str, *, label: str, short: str, description: str,
         if n in _REGISTRY or n in _ALIASES:
             raise ValueError(f"strategy name {n!r} is registered already")
     spec = StrategySpec(name, label, short, description, tuple(aliases), volume, cost, build, shards_table,
-                        dense_by_deepspeed)
+                        dense_by_deepspeed, planned)
     _REGISTRY[name] = spec
     _ALIASES.update({_key(a): name for a in aliases})
     return spec
@@ -112,6 +116,12 @@ def aliases() -> Dict[str, str]:
 def sharded_strategies() -> List[str]:
     """The strategies that shard the table (EmbRace's)."""
     return [s.name for s in _REGISTRY.values() if s.shards_table]
+
+
+def is_baseline(name: str) -> bool:
+    """A stock strategy: neither EmbRace's (fixed or planned) nor the floor."""
+    spec = get_strategy(name)
+    return not (spec.shards_table or spec.planned or spec.name == FLOOR)
 
 
 # ------------------------------------------------------------------ the strategies
@@ -197,6 +207,15 @@ register_strategy(
     build=LazyRef(_BUILDERS, "build_embrace_schedule"), shards_table=True,
 )
 
+register_strategy(
+    "embrace_auto", label="(e-a) EmbRace, automatic plan (the default)", short="EmbRace auto", aliases=("auto",),
+    description="the EmbRace architecture with --embrace-plan auto (the default), planned on the link it runs on from "
+                "the rates the start-up probe measures there: where nothing is sharded, the stock modules under "
+                "fairseq's c10d as fairseq-train runs them then; else the planned tables under the EmbRace hook on "
+                "DeepSpeed with the plan's schedule, buckets and pieces (scaled with the model); the plan is recorded",
+    volume=V.embrace_exchange, cost=LazyRef(_EMBRACE_COSTS, "auto"),
+    build=LazyRef(_BUILDERS, "build_embrace_auto"), planned=True,
+)
 register_strategy(
     "embrace_zero1", label="(e-z1) EmbRace on DeepSpeed ZeRO-1", short="EmbRace ZeRO-1", aliases=("ezero1",),
     description="EmbRace's sharded tables and exchange with the dense layers under DeepSpeed ZeRO stage 1 as the "

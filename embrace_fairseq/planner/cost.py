@@ -139,8 +139,13 @@ def table_traffic(inputs: PlanInputs, table: TableInput, choice: str, net: Optio
     ids_s = net.alltoall((n - 1) * HEADER_BYTES_PER_PEER + off * inputs.id_size, n)
     rows_s = net.alltoall(off * row, n)
     out_fwd, out_bwd = _output_traffic(net, inputs, table, read) if read else (0.0, 0.0)
-    return _Traffic(forward_s=ids_s + rows_s + out_fwd, backward_s=out_bwd, after_s=rows_s,
-                    sent_bytes=sum(v for k, v in V.embrace_exchange(step).items()))
+    sent = sum(v for k, v in V.embrace_exchange(step).items())
+    if read == "vocab_parallel" and table.output_bias:
+        # the bias gradient's rows, all-gathered in the backward (core/tied_projection.py)
+        bias = n * -(-table.rows // n) * e
+        out_bwd += net.allgather(bias, n)
+        sent += ring_allgather_bytes(bias, n)
+    return _Traffic(forward_s=ids_s + rows_s + out_fwd, backward_s=out_bwd, after_s=rows_s, sent_bytes=sent)
 
 
 @dataclass(frozen=True)

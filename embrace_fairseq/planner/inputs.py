@@ -31,6 +31,8 @@ class TableInput:
         when it is not an output).
     plain_output: the output layer is a plain ``V x D`` projection (not an adaptive
         softmax): only then can it run vocab-parallel.
+    output_bias: the tied output layer adds a replicated ``V``-sized bias (RoBERTa's LM
+        head): read vocab-parallel, its gradient's rows are all-gathered in the backward.
     """
 
     name: str
@@ -40,6 +42,7 @@ class TableInput:
     lookups_per_rank: int = 0
     output_tokens_per_rank: int = 0
     plain_output: bool = True
+    output_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.use not in USES:

@@ -13,8 +13,8 @@ flags say (the behaviour before plans existed); ``replicate`` every table replic
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.planner.cost import (CHOICES, DDP_BUCKET_BYTES, REPLICATE, ROW_SHARD, VOCAB_PARALLEL,
@@ -74,6 +74,8 @@ class Plan:
     predicted: StepCost
     stock: StepCost
     how: str  # auto, shard, replicate or explicit
+    #: what it was decided from (the rates included), for the record
+    inputs: Optional[PlanInputs] = field(default=None, compare=False, repr=False)
 
     def choice(self, name: str) -> str:
         return dict(self.choices)[name]
@@ -90,8 +92,23 @@ class Plan:
         """The plan as ``--embrace-plan`` takes it."""
         return ",".join(f"{name}={choice}" for name, choice in self.choices)
 
-    def lines(self, inputs: PlanInputs) -> List[str]:
+    def record(self) -> Dict[str, Any]:
+        """The plan as a results file keeps it: the choices, the schedule, the predicted and
+        the stock step and bytes, and the inputs they came from."""
+        out: Dict[str, Any] = {
+            "how": self.how, "spec": self.spec(), "schedule": self.schedule, "bucket_bytes": self.bucket_bytes,
+            "piece_bytes": self.piece_bytes, "predicted_step_s": self.predicted.step_s,
+            "stock_step_s": self.stock.step_s, "predicted_speedup": self.speedup,
+            "sent_bytes": self.predicted.sent_bytes, "stock_sent_bytes": self.stock.sent_bytes}
+        if self.inputs is not None:
+            out["inputs"] = asdict(self.inputs)
+        return out
+
+    def lines(self, inputs: Optional[PlanInputs] = None) -> List[str]:
         """One start-up line per table and one for the whole."""
+        inputs = inputs or self.inputs
+        if inputs is None:
+            raise ValueError("a plan's lines need the inputs it was decided from")
         out = []
         for name, choice in self.choices:
             t = inputs.table(name)
@@ -111,28 +128,31 @@ def _priced(inputs: PlanInputs, choices: Dict[str, str], schedule: bool, sizes: 
             stock: StepCost, how: str) -> Plan:
     bucket, piece = sizes
     cost = step_cost(inputs, choices, schedule, bucket, piece)
-    return Plan(tuple((t.name, choices[t.name]) for t in inputs.tables), schedule, bucket, piece, cost, stock, how)
+    return Plan(tuple((t.name, choices[t.name]) for t in inputs.tables), schedule, bucket, piece, cost, stock, how,
+                inputs)
 
 
-def _candidates(inputs: PlanInputs, combos: Sequence[Dict[str, str]], stock: StepCost, how: str) -> List[Plan]:
+def _candidates(inputs: PlanInputs, combos: Sequence[Dict[str, str]], stock: StepCost, how: str,
+                schedule: bool = True) -> List[Plan]:
     out = []
     for choices in combos:
         sharded = any(c != REPLICATE for c in choices.values())
         out.append(_priced(inputs, choices, False, (DDP_BUCKET_BYTES, None), stock, how))
-        if sharded:  # the schedule runs where something is sharded
+        if sharded and schedule:  # the schedule runs where something is sharded (and is not turned off)
             out += [_priced(inputs, choices, True, sizes, stock, how) for sizes in SCHEDULE_SIZES]
     return out
 
 
-def choose(inputs: PlanInputs) -> Plan:
-    """The cheapest plan; replicate-all (the stock step) wins ties and a world of one."""
+def choose(inputs: PlanInputs, schedule: bool = True) -> Plan:
+    """The cheapest plan; replicate-all (the stock step) wins ties and a world of one.
+    ``schedule`` False (``--embrace-schedule off``): only plans with the schedule off."""
     stock = stock_cost(inputs)
     replicate_all = {t.name: REPLICATE for t in inputs.tables}
     if inputs.world_size == 1:
         return _priced(inputs, replicate_all, False, (DDP_BUCKET_BYTES, None), stock, AUTO)
     per_table = [choices_for(t, inputs.output_mode) for t in inputs.tables]
     combos = [dict(zip([t.name for t in inputs.tables], c)) for c in itertools.product(*per_table)]
-    plans = _candidates(inputs, combos, stock, AUTO)  # product order: replicate-all first
+    plans = _candidates(inputs, combos, stock, AUTO, schedule)  # product order: replicate-all first
     best = min(plans, key=lambda p: p.predicted.step_s)  # min keeps the first of equals
     if best.sharded and best.predicted.step_s * (1 + SHARD_MARGIN) > stock.step_s:
         return plans[0]  # a gain inside the model's error: the stock step
@@ -194,6 +214,7 @@ def explicit(inputs: PlanInputs, spec: str, schedule: bool = True) -> Plan:
 
 
 def resolve(inputs: PlanInputs, spec: Optional[str], schedule: bool = True) -> Plan:
-    """``auto`` (or None): :func:`choose`; anything else: :func:`explicit`."""
+    """``auto`` (or None): :func:`choose` (``schedule`` False keeps the schedule off; True
+    lets the plan decide); anything else: :func:`explicit`."""
     spec = (spec or AUTO).strip()
-    return choose(inputs) if spec == AUTO else explicit(inputs, spec, schedule)
+    return choose(inputs, schedule) if spec == AUTO else explicit(inputs, spec, schedule)

@@ -61,7 +61,7 @@ def test_performance_row_takes_the_fastest_baseline_and_the_limit():
     r["meta"] = {"source": {"commit": "0123456789abcdef", "dirty": False}}
     rows = performance_rows("results/x", r)
     assert rows == ["| xlmr/w2/v100-25g | xlmr_base | 1.50x [1.40, 1.60] (sparse_allgather) | "
-                    "1.60x [1.35, 1.80] | 1.10x [1.05, 1.14] | 0123456 |"]
+                    "1.60x [1.35, 1.80] | - | 1.10x [1.05, 1.14] | 0123456 |"]
 
 
 def test_a_run_whose_floor_drifted_from_its_calibration_is_flagged():
@@ -96,3 +96,32 @@ def test_a_verdict_needs_eight_steps_and_the_gpt2_lm_is_never_slower():
     assert rows[("gpt_lm/w2/v100-25g", "(e) over fairseq_c10d")]["target"] == 0.97
     assert rows[("gpt_lm/w2/v100-25g", "(e) over fairseq_c10d")]["verdict"] == "MISSED"
     assert rows[("xlmr/w2/a100-100g", "(e) over fairseq_c10d")]["verdict"] == "too few steps (3 < 8)"
+
+
+def test_the_default_plan_is_judged_against_the_fastest_other_and_its_prediction():
+    """embrace_auto: paired steps against every other strategy but the floor (the fastest
+    decides), lower end at least 0.97; its plan's predicted step within 15 % of the mean."""
+    from embrace_fairseq.perf.bench.regime_goals import auto_rows, performance_rows
+
+    steps = {"fairseq_c10d": [1.0, 1.1, 1.0, 1.05] * 2, "embrace_schedule": [1.2, 1.25, 1.2, 1.3] * 2,
+             "compute_floor": [0.5] * 8, "embrace_auto": [1.0, 1.08, 1.01, 1.04] * 2}
+    plan = {"spec": "embed_tokens=replicate", "schedule": False, "predicted_step_s": 0.8}
+    runs = [{"model": "translation", "world_size": 4, "regime": "v100-25g", "strategy": s, "step_s": t,
+             "settings": {"plan": plan} if s == "embrace_auto" else {}} for s, t in steps.items()]
+    rows = {r["goal"].split(" (")[0]: r for r in auto_rows({"runs": runs}, "translation", 4, "v100-25g")}
+    fastest = rows["auto"]
+    assert "fairseq_c10d" in fastest["goal"] and "compute_floor" not in fastest["goal"]
+    assert fastest["verdict"] == "met" and 0.97 <= fastest["low"] <= 1.0 <= fastest["high"]
+    pred = rows["auto's predicted step against the measured"]
+    assert pred["verdict"] == "MISSED" and pred["ratio"] < -0.15  # 0.8 s against a mean of 1.03 s
+    # slower than the fastest by 10 %: missed
+    slow = [dict(r, step_s=[1.1 * x for x in steps["fairseq_c10d"]]) if r["strategy"] == "embrace_auto" else r
+            for r in runs]
+    assert auto_rows({"runs": slow}, "translation", 4, "v100-25g")[0]["verdict"] == "MISSED"
+    # without the strategy, nothing to judge; the table's cell names what the plan did
+    assert auto_rows({"runs": runs[:3]}, "translation", 4, "v100-25g") == []
+    result = {"runs": runs, "ratio_intervals": {"translation/w4/v100-25g": {
+        "fairseq_c10d": {"ratio": 0.85, "low": 0.8, "high": 0.9, "steps": 8}}},
+        "regimes": {"translation/w4/v100-25g": {"regime": "v100-25g", "real_model": "transformer_base"}}}
+    (row,) = performance_rows("f", result)
+    assert "(stock)" in row

@@ -15,8 +15,8 @@ from embrace_fairseq.perf.simulator import Network, Prediction, Profile, predict
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fairseq_legacy_ddp", "fairseq_c10d", "deepspeed", "deepspeed_zero1", "deepspeed_zero2", "sparse_allgather",
          "sparse_allgather_overlap",
-         "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_zero1", "embrace_nogate", "embrace_gate",
-         "embrace_node",
+         "embrace_noschedule", "embrace_fifo", "embrace_schedule", "embrace_auto", "embrace_zero1", "embrace_nogate",
+         "embrace_gate", "embrace_node",
          "embrace_two_level", "embrace_next_forward", "embrace_next_forward_gate", "embrace_next_forward_whole",
          "embrace_relaxed", "embrace_contiguous", "embrace_eager_output_grad", "embrace_output_gather",
          "embrace_output_vocab_parallel", "compute_floor")
@@ -40,6 +40,9 @@ def test_the_strategies_in_order():
                                       "embrace_contiguous", "embrace_eager_output_grad", "embrace_output_gather",
                                       "embrace_output_vocab_parallel"]
     assert S.SPEEDUP_SUBJECT in NAMES and S.REFERENCE in NAMES
+    # the default plan is neither a baseline nor a fixed EmbRace configuration
+    assert [n for n in NAMES if S.get_strategy(n).planned] == ["embrace_auto"]
+    assert [n for n in NAMES if S.is_baseline(n)] == list(NAMES[:7])
 
 
 @pytest.mark.parametrize("name", NAMES)

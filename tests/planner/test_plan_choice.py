@@ -122,3 +122,36 @@ def test_a_gain_inside_the_margin_keeps_the_stock_step():
     for make in (xlmr, untied_large):  # a chosen sharded plan clears the margin
         plan = choose(make(16))
         assert plan.sharded and plan.predicted.step_s * (1 + SHARD_MARGIN) <= plan.stock.step_s
+
+
+def test_schedule_off_holds_under_auto_and_the_record_keeps_the_inputs():
+    """``--embrace-schedule off`` is not overridden by ``auto``: the plan still shards where
+    that pays, with the schedule off; ``on`` lets the plan pick it and its sizes."""
+    inputs = xlmr(16)
+    free, held = resolve(inputs, "auto", schedule=True), resolve(inputs, "auto", schedule=False)
+    assert free.schedule and (free.bucket_bytes, free.piece_bytes) in SCHEDULE_SIZES
+    assert not held.schedule and held.choice("embed_tokens") == ROW_SHARD
+    assert held.predicted.step_s >= free.predicted.step_s
+    rec = free.record()
+    assert rec["spec"] == "embed_tokens=row-shard" and rec["predicted_step_s"] == free.predicted.step_s
+    assert rec["inputs"]["world_size"] == 16 and rec["inputs"]["rates"]["compute_s"] == inputs.rates.compute_s
+    assert free.lines() == free.lines(inputs)
+
+
+def test_vocab_parallel_bias_gather_is_priced():
+    """RoBERTa's LM head bias read vocab-parallel: its gradient's rows all-gathered in the
+    backward, (N-1)/N of V elements a rank, priced in bytes and time; gathered, nothing."""
+    from dataclasses import replace
+
+    from embrace_fairseq.core.ring_volume import ring_allgather_bytes
+    from embrace_fairseq.planner.cost import table_traffic
+
+    plain = xlmr(8)
+    table = plain.tables[0]
+    biased = replace(plain, tables=(replace(table, output_bias=True),))
+    vp_plain, vp_bias = (table_traffic(i, i.tables[0], VOCAB_PARALLEL) for i in (plain, biased))
+    assert vp_bias.sent_bytes - vp_plain.sent_bytes == pytest.approx(ring_allgather_bytes(8 * 31_251 * 2, 8))
+    assert vp_bias.backward_s > vp_plain.backward_s
+    gather = replace(biased, output_mode="gather")
+    assert table_traffic(gather, gather.tables[0], ROW_SHARD).sent_bytes == \
+        table_traffic(replace(plain, output_mode="gather"), table, ROW_SHARD).sent_bytes

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 from embrace_fairseq.core.errors import UserError
 from embrace_fairseq.guards import one_line_errors
-from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strategy
+from embrace_fairseq.perf.strategies import FLOOR, STRATEGIES, canonical_strategy, get_strategy
 from embrace_fairseq.perf.bench import memory_guard as MG
 from embrace_fairseq.perf.bench import netem_cluster as NC
 from embrace_fairseq.perf.bench.allocator import ALLOCATORS
@@ -110,6 +110,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     a.regimes = _regimes(p, a)
+    planned = [s for s in a.strategies if get_strategy(s).planned]
+    if planned and len(a.regimes or a.gbit) > 1:
+        # a plan is fixed for the run (a new one needs a restart), so it holds for one link
+        p.error(f"{', '.join(planned)} plans once, on the link it starts on: give one --regime or one --gbit per "
+                "run (scripts/bench_regime.sh runs each regime on its own)")
     if a.calibration_steps < 1:
         p.error(f"--calibration-steps must be at least 1, got {a.calibration_steps}")
     return a

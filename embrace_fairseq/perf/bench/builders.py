@@ -247,16 +247,18 @@ def _ds_config(embrace: Optional[Dict[str, Any]], batch_rows: int,
     return cfg
 
 
-def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data, sparse: bool = False) -> Strategy:
+def _fairseq_ddp(name: str, backend: str, w: W.Workload, task: Any, data, sparse: bool = False,
+                 model: Optional[torch.nn.Module] = None) -> Strategy:
     """The stock model under fairseq's DistributedFairseqModel (``legacy_ddp`` or ``c10d``);
     ``sparse``: its token table ``nn.Embedding(sparse=True)`` where no output layer reads it
     (torch DDP all-reduces a sparse gradient in a bucket of its own, which gloo does by
-    all-gathering its indices and values, during the backward like any bucket)."""
+    all-gathering its indices and values, during the backward like any bucket); ``model``:
+    one built already (default: the stock architecture)."""
     import torch.distributed as dist
     from fairseq.models import distributed_fairseq_model as dfm
 
     criterion = W.build_criterion(w, task)
-    model = W.build_model(w, w.stock_arch, task, data)
+    model = W.build_model(w, w.stock_arch, task, data) if model is None else model
     table_sparse = sparse and not W.tied_tables(w)[0]
     if table_sparse:
         W.token_table_module(model, w).sparse = True
@@ -383,18 +385,21 @@ FIFO_OVERLAP = {"model_level": False, "tensor_level": False}
 
 
 def _embrace(name: str, w: W.Workload, task: Any, data, schedule: Any, trace_prefix: Optional[str],
-             shard_layout: Optional[str] = None, zero_stage: int = 0, output: Optional[str] = None) -> Strategy:
+             shard_layout: Optional[str] = None, zero_stage: int = 0, output: Optional[str] = None,
+             model: Optional[torch.nn.Module] = None) -> Strategy:
     """The EmbRace architecture on DeepSpeed with the EmbRace hook, the 2D schedule on
     (``schedule`` True), off (False) or set by these ``"embrace"`` keys (a dict);
     ``shard_layout``: the ``"embrace"`` section's layout (None: the default);
     ``zero_stage`` 1: the dense layers under ZeRO-1 with :func:`zero_tuning`;
-    ``output``: ``--embrace-output`` for a tied output layer (None: the default, ``auto``)."""
+    ``output``: ``--embrace-output`` for a tied output layer (None: the default, ``auto``);
+    ``model``: one built already (default: the EmbRace architecture, every table sharded)."""
     from embrace_fairseq.deepspeed_adapter import initialize
     from embrace_fairseq.fairseq_adapter.vocab_parallel_criteria import configure
 
     criterion = W.build_criterion(w, task)
-    model = W.build_model(w, w.embrace_arch, task, data,
-                          extra_args=("--embrace-output", output) if output is not None else ())
+    if model is None:
+        model = W.build_model(w, w.embrace_arch, task, data,
+                              extra_args=("--embrace-output", output) if output is not None else ())
     configure(model, criterion)  # what fairseq's Trainer does: a tied output read vocab-parallel when cheaper
     section: Dict[str, Any] = dict(schedule) if isinstance(schedule, dict) else ({} if schedule else dict(NO_OVERLAP))
     for key, value in embrace_buckets(w).items():
@@ -447,6 +452,32 @@ def build_sparse_allgather(name: str, w: W.Workload, task: Any, data, counter: C
 def build_sparse_allgather_overlap(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
                                    trace_prefix: Optional[str] = None) -> Strategy:
     return _fairseq_ddp(name, "c10d", w, task, data, sparse=True)
+
+
+def build_embrace_auto(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,
+                       trace_prefix: Optional[str] = None) -> Strategy:
+    """The default plan: the EmbRace architecture built with ``--embrace-plan auto`` (its
+    probe measures the link the bench has set now, so the run builds it once that link is
+    in place) and ``--max-tokens`` the workload's tokens per rank (what the plan prices).
+    Nothing sharded: the stock modules under fairseq's c10d, as fairseq-train runs them.
+    Else the EmbRace hook on DeepSpeed with the plan's schedule (off: whole buckets during
+    the backward, as DDP) and its bucket and piece sizes, scaled with the model as every
+    strategy's are. The plan is recorded in the strategy's settings."""
+    model = W.build_model(w, w.embrace_arch, task, data,
+                          extra_args=("--embrace-plan", "auto", "--max-tokens", str(w.tokens_per_rank)))
+    plan = model.embrace_plan
+    if plan is None or not plan.sharded:
+        strategy = _fairseq_ddp(name, "c10d", w, task, data, model=model)
+    else:
+        scale = float(bucket_settings(w)["scale"])
+        section: Dict[str, Any] = {"bucket_bytes": max(1, int(plan.bucket_bytes * scale))}
+        if plan.schedule:
+            section["piece_bytes"] = max(1, int((plan.piece_bytes or plan.bucket_bytes) * scale))
+        else:
+            section.update(FIFO_OVERLAP)
+        strategy = _embrace(name, w, task, data, section, trace_prefix, model=model)
+    strategy.settings["plan"] = plan.record() if plan is not None else None
+    return strategy
 
 
 def build_embrace_noschedule(name: str, w: W.Workload, task: Any, data, counter: CollectiveCounter,

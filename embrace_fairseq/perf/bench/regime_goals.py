@@ -32,13 +32,19 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from embrace_fairseq.perf.bench.shapes import is_synthetic
-from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN
-from embrace_fairseq.perf.strategies import FLOOR, SPEEDUP_SUBJECT, get_strategy
+from embrace_fairseq.perf.bench.stats import NO_WORSE_MARGIN, paired_ratio_interval
+from embrace_fairseq.perf.strategies import FLOOR, SPEEDUP_SUBJECT, get_strategy, is_baseline
 
 FIFO = "embrace_fifo"
+#: the default plan, judged against every other strategy of its run
+AUTO = "embrace_auto"
+#: the default plan at least this fast as the fastest other strategy (lower end)
+AUTO_TARGET = 1.0 - NO_WORSE_MARGIN
+#: the plan's predicted step within this share of the measured one
+PREDICTION_TARGET = 0.15
 #: (e) over every stock baseline, per workload and regime (None: every regime)
 #: a synthetic workload (:data:`.shapes.SYNTHETIC`) carries no goal
 SPEEDUP_TARGETS: Dict[str, Dict[Optional[str], float]] = {
@@ -100,9 +106,10 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
         target = _target(model, regime)
         if target is not None:
             for s, iv in per.items():
-                if s == FLOOR or get_strategy(s).shards_table:
+                if not is_baseline(s):
                     continue
                 rows.append(_row(key, f"(e) over {s}", target, iv, world))
+        rows += auto_rows(result, model, world, regime)
         if FIFO in per:
             rows.append(_row(key, f"(e) over {FIFO}", SCHEDULE_OVER_FIFO, per[FIFO], world))
         limit = calibration.get("limit") or {}
@@ -117,6 +124,35 @@ def regime_goal_check(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                     r["verdict"] += f" ({DRIFT_FLAG})"
             rows.append(drift)
     return rows + simulator_rows(result.get("simulator") or {})
+
+
+def auto_rows(result: Dict[str, Any], model: str, world: int, regime: Optional[str]) -> List[Dict[str, Any]]:
+    """The default plan's goals in one run key: at least :data:`AUTO_TARGET` of the fastest
+    other strategy (every baseline and every fixed EmbRace configuration of the run; paired
+    steps, lower end of the interval), and its predicted step within
+    :data:`PREDICTION_TARGET` of the measured one (the mean of the timed steps)."""
+    runs = {r["strategy"]: r for r in result.get("runs", [])
+            if r["model"] == model and r["world_size"] == world and r.get("regime") == regime}
+    auto = runs.get(AUTO)
+    if auto is None:
+        return []
+    key = f"{model}/w{world}/{regime}"
+    others = {s: paired_ratio_interval(r["step_s"], auto["step_s"]) for s, r in runs.items() if s not in (AUTO, FLOOR)}
+    rows = []
+    plan = (auto.get("settings") or {}).get("plan") or {}
+    what = f"plan {plan.get('spec', '?')}, schedule {'on' if plan.get('schedule') else 'off'}"
+    if others:
+        fastest = min(others, key=lambda s: others[s]["ratio"])
+        rows.append(_row(key, f"auto ({what}) over the fastest other, {fastest}", AUTO_TARGET, others[fastest], world))
+    if plan.get("predicted_step_s"):
+        measured = sum(auto["step_s"]) / len(auto["step_s"])
+        err = plan["predicted_step_s"] / measured - 1.0
+        rows.append({"run": key, "goal": "auto's predicted step against the measured", "target": None,
+                     "target_text": f"within {100 * PREDICTION_TARGET:.0f} %",
+                     "measured": f"{plan['predicted_step_s']:.3f} s / {measured:.3f} s ({100 * err:+.0f} %)",
+                     "ratio": err, "low": None, "high": None, "steps": len(auto["step_s"]), "world_size": world,
+                     "verdict": "met" if abs(err) <= PREDICTION_TARGET else "MISSED"})
+    return rows
 
 
 def calibration_drift(key: str, calibration: Dict[str, Any], world: int) -> Optional[Dict[str, Any]]:
@@ -210,7 +246,7 @@ def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
         cal = (result.get("regimes") or {}).get(key) or {}
         if not cal.get("regime"):
             continue
-        base = {s: iv for s, iv in per.items() if s != FLOOR and not get_strategy(s).shards_table}
+        base = {s: iv for s, iv in per.items() if is_baseline(s)}
         if not base:
             continue
         fastest = min(base, key=lambda s: base[s]["ratio"])
@@ -222,14 +258,27 @@ def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
         model = key.split("/")[0]
         name = f"{key} (synthetic)" if is_synthetic(model) else key
         rows.append(f"| {name}{drift_flag(cal)} | {cal.get('real_model', '-')} | {cell(base[fastest])} ({fastest}) | "
-                    f"{cell(base.get('fairseq_c10d'))} | {cell(over)} | {commit} |")
+                    f"{cell(base.get('fairseq_c10d'))} | {_auto_cell(result, key, fastest, cell)} | {cell(over)} | "
+                    f"{commit} |")
     return rows
+
+
+def _auto_cell(result: Dict[str, Any], key: str, fastest: str, cell: Callable[[Optional[Dict[str, float]]], str]) -> str:
+    """The default plan over the fastest baseline, and what it planned ("-": not run)."""
+    runs = {r["strategy"]: r for r in result.get("runs", [])
+            if f"{r['model']}/w{r['world_size']}/{r.get('regime')}" == key}
+    auto, base = runs.get(AUTO), runs.get(fastest)
+    if auto is None or base is None:
+        return "-"
+    plan = (auto.get("settings") or {}).get("plan") or {}
+    planned = "row-shard" in plan.get("spec", "") or "vocab-parallel" in plan.get("spec", "")
+    return f"{cell(paired_ratio_interval(base['step_s'], auto['step_s']))} ({'sharded' if planned else 'stock'})"
 
 
 def performance_table(folders: List[Path]) -> List[str]:
     L = [TABLE_BEGIN,
-         "| workload/ranks/regime | real model | (e) over the fastest baseline | (e) over c10d | (e) step / limit "
-         "| commit |", "|---|---|---|---|---|---|"]
+         "| workload/ranks/regime | real model | (e) over the fastest baseline | (e) over c10d | default plan over "
+         "the fastest baseline | (e) step / limit | commit |", "|---|---|---|---|---|---|---|"]
     for d in folders:
         L += performance_rows(str(d), json.loads((d / "bench.json").read_text()))
     return L + [TABLE_END]

@@ -26,7 +26,7 @@ from embrace_fairseq.perf.bench.markdown import simulator_section
 from embrace_fairseq.perf.bench.merged import merged_bench
 from embrace_fairseq.perf.bench.stats import (CONFIDENCE, LEGACY_RATIO_STATISTIC, RATIO_STATISTIC, STATISTIC_WORDS,
                                               paired_ratio_interval, ratio_of, ratio_statistic)
-from embrace_fairseq.perf.strategies import FLOOR, get_strategy, sharded_strategies
+from embrace_fairseq.perf.strategies import FLOOR, get_strategy, is_baseline
 
 #: EmbRace as a user runs it: dense layers at ZeRO-0 under the 2D schedule, or under ZeRO-1
 SUBJECTS = ("embrace_schedule", "embrace_zero1")
@@ -50,14 +50,13 @@ def speedups(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     by: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for r in runs:
         by.setdefault(_key(r), {})[r["strategy"]] = r
-    sharded = set(sharded_strategies())
     out = []
     for key, per in by.items():
         for subject in SUBJECTS:
             if subject not in per:
                 continue
             for base, b in per.items():
-                if base in sharded or base == FLOOR:
+                if not is_baseline(base):
                     continue
                 iv = paired_ratio_interval(b["step_s"], per[subject]["step_s"], statistic=_statistic(b))
                 half = max(iv["ratio"] - iv["low"], iv["high"] - iv["ratio"]) / iv["ratio"]

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -70,12 +70,13 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any) -> Dict[str, Any]:
-    """Every strategy of the spec, built once (EmbRace's with a trace prefix)."""
+def _build_all(spec: Dict[str, Any], w: Any, batches: Any, counter: Any,
+               names: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Every strategy of the spec (or ``names``), built once (EmbRace's with a trace prefix)."""
     built: Dict[str, Any] = {}
-    for name in spec["strategies"]:
+    for name in spec["strategies"] if names is None else names:
         strategy = get_strategy(name)
-        prefix = str(Path(spec["tmp"]) / f"trace_{name}") if strategy.shards_table else None
+        prefix = str(Path(spec["tmp"]) / f"trace_{name}") if strategy.shards_table or strategy.planned else None
         built[name] = strategy.build(strategy.name, w, batches.task, Path(spec["data"]), counter, trace_prefix=prefix)
     return built
 
@@ -146,11 +147,18 @@ def _timed_steps(spec: Dict[str, Any], s: Any, rec: Dict[str, Any], batches: Any
         rec["counted"][k] = rec["counted"].get(k, 0.0) + v
 
 
+def _on_ledger(name: str, built: Dict[str, Any]) -> bool:
+    """Does EmbRace's ledger hold the strategy's bytes (its fixed configurations, and the
+    planned one where its plan put it on the EmbRace hook)? Else the counted collectives."""
+    spec = get_strategy(name)
+    return spec.shards_table or (spec.planned and built[name].hook is not None)
+
+
 def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str, Any], link: Any,
            world: int) -> Dict[str, Any]:
     """One strategy's record for one link: per-step means, and the saved trace."""
     n = max(1, rec["steps"])
-    if get_strategy(name).shards_table:  # EmbRace's ledger
+    if _on_ledger(name, built):  # EmbRace's ledger
         by_kind = {k: v / n for k, v in rec["bytes"].items()}
         if get_strategy(name).dense_by_deepspeed:  # plus what DeepSpeed's ZeRO sent itself
             by_kind.update({k: by_kind.get(k, 0.0) + v / n for k, v in _deepspeed_share(rec).items()})
@@ -167,7 +175,7 @@ def _entry(spec: Dict[str, Any], name: str, rec: Dict[str, Any], built: Dict[str
              "warmup_step_s": rec.get("warmup_step_s", []),
              "wire_bytes_per_step": None if spec["loopback"] else rec["wire"] / n,
              "tokens": rec["tokens"], "batch_steps": rec["batch_steps"], "rounds": rec["rounds"]}
-    if get_strategy(name).shards_table:  # the exchange's owner side is received in backward
+    if _on_ledger(name, built):  # the exchange's owner side is received in backward
         entry["bytes_received_by_kind"] = {k: v / n for k, v in rec["received"].items()}
         # what left the rank's node (the ledger knows the nodes from the launcher's view)
         entry["inter_node_bytes_by_kind"] = {k: v / n for k, v in rec["inter_node"].items()}
@@ -209,13 +217,16 @@ def _rotated(items: List[Any], r: int) -> List[Any]:
 
 def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, counter: Any,
              tx_path: str, links: List[Any], world: int,
-             calibration: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+             calibration: Optional[List[Dict[str, Any]]] = None,
+             build_late: Optional[Callable[[], Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     """Warm-up on the first link, then the rounds: in each round every link (order rotated
     each round) and on it every strategy (order rotated each round) takes its timed steps,
     so the machine's drift hits every link and strategy alike. A record per link and
     strategy; the machine's 1-minute load average after every link of every round.
     With regimes in the spec the links are calibrated after the warm-up (:func:`_calibrate`;
-    filled into ``calibration``)."""
+    filled into ``calibration``); ``build_late`` builds the strategies that plan on the link
+    they are built on (:attr:`~embrace_fairseq.perf.strategies.StrategySpec.planned`) once
+    the calibrated link is in place, and they warm up there."""
     from embrace_fairseq.core.ledger import global_ledger
     from embrace_fairseq.perf.bench.netem_cluster import LinkSpec
 
@@ -223,7 +234,7 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
 
     _set_link(spec, links[0], rank, world, initial=True)
     _log(rank, f"warm-up on {links[0].label()}")
-    warm = {name: _warm_up(spec, built[name], batches, rank) for name in spec["strategies"]}
+    warm = {name: _warm_up(spec, built[name], batches, rank) for name in spec["strategies"] if name in built}
     for s in built.values():
         if s.tracer is not None:
             s.tracer.clear()
@@ -231,6 +242,15 @@ def _measure(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: in
         calibration[:] = _calibrate(spec, built, batches, rank, world, counter)
         links = [LinkSpec(gbit=c["gbit"], latency_ms=c["latency_ms"], regime=c["regime"]) for c in calibration]
         _set_link(spec, links[0], rank, world, built=built)
+    if build_late is not None:
+        late = build_late()
+        _log(rank, f"built {', '.join(late)} on {links[0].label()}")
+        built.update(late)
+        for name, s in late.items():
+            warm[name] = _warm_up(spec, s, batches, rank)
+            if s.tracer is not None:
+                s.tracer.clear()
+    _level(built, batches, rank, warm)
     names = list(spec["strategies"])
     per = {(li, n): _record() for li in range(len(links)) for n in names}
     for n in names:
@@ -277,6 +297,25 @@ def _warm_up(spec: Dict[str, Any], s: Any, batches: Any, rank: int) -> List[floa
         s.step(batch, upcoming)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def _level(built: Dict[str, Any], batches: Any, rank: int, warm: Dict[str, List[float]]) -> None:
+    """Untimed steps until every strategy has stepped as often as the one that warmed up
+    longest: the timed steps then pair step ``i`` of one strategy with step ``i`` of every
+    other on the same batch and from the same weights (the paired ratios and the loss
+    check need both). The steps' times join the warm-up's."""
+    import torch.distributed as dist
+
+    target = max(s.steps_done for s in built.values())
+    for name, s in built.items():
+        while s.steps_done < target:
+            batch = batches.get(s.steps_done, rank)
+            upcoming = batches.get(s.steps_done + 1, rank) if s.looks_ahead else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            s.step(batch, upcoming)
+            warm.setdefault(name, []).append(time.perf_counter() - t0)
+        s.settle()
 
 
 def _calibrate(spec: Dict[str, Any], built: Dict[str, Any], batches: Any, rank: int, world: int,
@@ -346,7 +385,9 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     batches = W.build_task_and_batches(w, world, Path(spec["data"]), Path(spec["cache"]))
     counter = CollectiveCounter()
     t_build = time.perf_counter()
-    built = _build_all(spec, w, batches, counter)
+    # a planned strategy decides from the link it is built on: in a regime run, the calibrated one
+    late = [n for n in spec["strategies"] if spec.get("regimes") and get_strategy(n).planned]
+    built = _build_all(spec, w, batches, counter, [n for n in spec["strategies"] if n not in late])
     build_s = time.perf_counter() - t_build
     _log(rank, f"built {len(built)} strategies in {build_s:.0f}s")
     tx_path = RankPlacement(**spec["placement"][rank]).tx_bytes_path()
@@ -355,7 +396,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
     calibration: List[Dict[str, Any]] = []
     with counting(counter):
         results["links"] = _measure(spec, built, batches, rank, counter, tx_path,
-                                    [LinkSpec(**d) for d in spec["links"]], world, calibration)
+                                    [LinkSpec(**d) for d in spec["links"]], world, calibration,
+                                    (lambda: _build_all(spec, w, batches, counter, late)) if late else None)
     if spec.get("regimes"):
         results["calibration"] = calibration
     # compute profile: one process at a time, no communication (rank 0; the others wait)

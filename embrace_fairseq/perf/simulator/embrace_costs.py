@@ -213,6 +213,17 @@ def schedule(ctx: CostContext) -> Prediction:
     return _overlapped(ctx, fifo=False)
 
 
+def auto(ctx: CostContext) -> Prediction:
+    """The default plan: the cheaper of the 2D schedule's step and c10d's (nothing sharded:
+    the stock path). The planner also keeps the stock step where sharding gains less than
+    its margin, which its own model's missing exchange compute asks for; this model
+    counts that compute."""
+    from embrace_fairseq.perf.simulator.allreduce_costs import c10d
+
+    sharded, stock = schedule(ctx), c10d(ctx)
+    return sharded if sharded.step_s <= stock.step_s else stock
+
+
 def schedule_node(ctx: CostContext) -> Prediction:
     """``schedule`` with the node-aware exchange: the same step, the exchange's collectives
     costed as two hops (:func:`node_traffic`); the flat one's where there are no nodes."""
