@@ -268,3 +268,24 @@ def test_measured_compute_floor_stretches_compute_and_keeps_the_stated_figures(t
         "results"][0]["step_s"]
     md = RP.markdown(dict(command="c", source={}, compute_floor_source=str(profile), **study))
     assert "compute floored by a measured step" in md and "; stated " in md and "tiny 6.0 ms" in md
+
+
+def test_default_plan_in_the_projection_is_never_slower_than_c10d_and_near_the_best_fixed():
+    """The planner's choice for each released model at 16-64 GPUs in both regimes, priced
+    by the simulator as chosen (sharded with its schedule or FIFO and its buckets, or the
+    stock step): never below c10d, and within 5 % of the faster of c10d and EmbRace's fixed
+    configurations; transformer_base and GPT-2 small stay stock, the large vocabularies shard."""
+    from embrace_fairseq.perf.simulator.real_models import REAL_MODELS
+    from embrace_fairseq.perf.simulator.regime_projection import project
+    from embrace_fairseq.perf.simulator.regimes import REGIMES
+
+    for name, model in REAL_MODELS.items():
+        for regime in REGIMES.values():
+            for world in (16, 32, 64):
+                auto = project(model, regime, world)["auto"]
+                assert auto["over_c10d"] >= 1.0 - 1e-9, (name, regime.name, world, auto)
+                assert auto["over_best_fixed"] >= 0.95, (name, regime.name, world, auto)
+                if name in ("transformer_base_wmt_en_de", "gpt2_small"):
+                    assert not auto["sharded"], (name, regime.name, world)
+                if name in ("xlmr_base", "mbart_large", "m2m100_418m"):
+                    assert auto["sharded"], (name, regime.name, world)

@@ -22,8 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from embrace_fairseq.planner.inputs import INPUT, TIED, PlanInputs, Rates, TableInput
 from embrace_fairseq.planner.network import Network
-from embrace_fairseq.perf.simulator.paper import AS_BUILT, TOPOLOGIES, Topology, projected, stock_baselines
+from embrace_fairseq.planner.plan import Plan, choose
+from embrace_fairseq.perf.simulator.paper import (AS_BUILT, TOPOLOGIES, Topology, _with_output, projected,
+                                                  stock_baselines)
 from embrace_fairseq.perf.simulator.predict import predict
 from embrace_fairseq.perf.simulator.profile import Options, Profile
 from embrace_fairseq.perf.simulator.real_models import REAL_MODELS, RealModel
@@ -31,6 +34,7 @@ from embrace_fairseq.perf.simulator.regimes import C10D, FLOOR, REGIMES, Regime,
 from embrace_fairseq.perf.strategies import SPEEDUP_SUBJECT, get_strategy
 
 WORLDS = (16, 32, 64)
+FIFO = "embrace_fifo"
 
 
 def floored(profile: Profile, forward_backward_s: Optional[float]) -> Profile:
@@ -62,6 +66,21 @@ def regime_network(regime: Regime, topo: Topology) -> Network:
                    ranks_per_node=topo.ranks_per_node, intra_gbit=topo.intra_gbit)
 
 
+def plan_for(prof: Profile, world: int, regime: Regime, topo: Topology) -> Plan:
+    """The plan ``--embrace-plan auto`` would choose for this model on this cluster: the
+    planner's own cost model (:mod:`embrace_fairseq.planner`) fed what its probe would
+    measure there (the regime's rate per GPU and latency, the profile's forward and
+    backward as the step's compute)."""
+    tied = prof.tied_output is not None
+    out_tokens = int(prof.output_tokens_per_rank or prof.tokens_per_rank) if tied else 0
+    table = TableInput("embed_tokens", prof.vocab, prof.dim, TIED if tied else INPUT,
+                       lookups_per_rank=int(prof.tokens_per_rank), output_tokens_per_rank=out_tokens)
+    rates = Rates(regime.gbit_per_gpu * 1e9 / 8, regime.latency_s, prof.forward_s + prof.backward_s)
+    rpn = topo.ranks_per_node if world >= topo.ranks_per_node else 1
+    return choose(PlanInputs((table,), prof.dense_numel, world, rpn, rates, element_size=prof.element_size,
+                             id_size=prof.id_size))
+
+
 def project(model: RealModel, regime: Regime, world: int, topo: Topology = TOPOLOGIES[0],
             opts: Options = AS_BUILT, compute_floor_s: Optional[float] = None) -> dict:
     """One setting: :func:`.paper.projected`'s steps and speedups, c10d's communication
@@ -71,9 +90,23 @@ def project(model: RealModel, regime: Regime, world: int, topo: Topology = TOPOL
     row = projected(prof, world, net, opts)
     c10d_comm = predict(prof, C10D, world, net, opts).comm_s
     best = row["best_baseline"]
+    # the default plan, priced by the planner, its step the simulator's for what it chose:
+    # sharded with the schedule (its sizes) or with whole buckets in readiness order (FIFO)
+    plan = plan_for(prof, world, regime, topo)
+    steps = row["step_s"]
+    auto_s = steps[C10D]
+    if plan.sharded:
+        chosen = replace(opts, embrace_bucket_bytes=plan.bucket_bytes,
+                         embrace_piece_bytes=plan.piece_bytes or plan.bucket_bytes)
+        shaped = _with_output(prof, row["output"])
+        auto_s = predict(shaped, SPEEDUP_SUBJECT if plan.schedule else FIFO, world, net, chosen).step_s
+    fixed = min(steps[SPEEDUP_SUBJECT], steps[C10D], steps.get(FIFO, float("inf")))
+    auto = {"spec": plan.spec(), "sharded": plan.sharded, "schedule": plan.schedule,
+            "planner_speedup": plan.speedup, "step_s": auto_s, "over_c10d": steps[C10D] / auto_s,
+            "over_best_fixed": fixed / auto_s}
     return dict(row, model=model.name, regime=regime.name, topology=topo.name, link_gbit=net.link_gbit,
-                c10d_comm_s=c10d_comm, c10d_comm_over_floor=c10d_comm / row["step_s"][FLOOR],
-                speedup_over_best=row["speedup_of_embrace_schedule"][best])
+                c10d_comm_s=c10d_comm, c10d_comm_over_floor=c10d_comm / steps[FLOOR],
+                speedup_over_best=row["speedup_of_embrace_schedule"][best], auto=auto)
 
 
 def regime_study(models: Optional[Dict[str, RealModel]] = None, regimes: Optional[Dict[str, Regime]] = None,
@@ -148,6 +181,23 @@ def _headline(study: dict, topo: str, worlds: Sequence[int]) -> List[str]:
     return L + [""]
 
 
+def _plans(study: dict, topo: str, worlds: Sequence[int]) -> List[str]:
+    """The default plan per model, regime and world size: what the planner chose, and its
+    step (the simulator's) over c10d's and over the best fixed plan's."""
+    L = ["| model | regime | " + " | ".join(f"{w} GPUs" for w in worlds) + " |",
+         "|---|---" + "|---" * len(worlds) + "|"]
+    for name in study["models"]:
+        for regime in study["assumptions"]["regimes"]:
+            cells = []
+            for w in worlds:
+                (r,) = _select(study, name, regime=regime, topology=topo, world_size=w)
+                a = r["auto"]
+                cells.append(f"{'shard' if a['sharded'] else 'stock'}: {a['over_c10d']:.2f}x c10d, "
+                             f"{a['over_best_fixed']:.2f} of best")
+            L.append(f"| {name} | {regime} | " + " | ".join(cells) + " |")
+    return L + [""]
+
+
 def _detail(study: dict, topo: str, world: int) -> List[str]:
     cols = study["assumptions"]["baselines"]
     L = [f"### {topo}, {world} GPUs", "",
@@ -198,6 +248,10 @@ def markdown(study: dict) -> str:
     L += _headline(study, "flat", worlds)
     for topo in [t for t in a["topologies"] if t != "flat"]:
         L += [f"## (e) over the fastest stock baseline, {topo}", ""] + _headline(study, topo, worlds)
+    L += ["## The default plan (`--embrace-plan auto`), flat", "",
+          "What the planner chooses from the regime's rates (shard: the 2D schedule's step; stock: c10d's), its "
+          "step (the simulator's) over c10d's, and the best fixed plan's step (the faster of the two) over its own "
+          "(1.00: it chose the best).", ""] + _plans(study, "flat", worlds)
     L += ["Cells: the fastest stock baseline's step over (e)'s (above 1: (e) is faster)"
           + ("; \"stated\": the same without the measured floor." if a.get("compute_floor_s") else "."),
           "", "## Per world size", ""]
