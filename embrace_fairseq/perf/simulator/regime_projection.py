@@ -248,13 +248,15 @@ def markdown(study: dict) -> str:
     L += _headline(study, "flat", worlds)
     for topo in [t for t in a["topologies"] if t != "flat"]:
         L += [f"## (e) over the fastest stock baseline, {topo}", ""] + _headline(study, topo, worlds)
-    L += ["## The default plan (`--embrace-plan auto`), flat", "",
-          "What the planner chooses from the regime's rates (shard: the 2D schedule's step; stock: c10d's), its "
-          "step (the simulator's) over c10d's, and the best fixed plan's step (the faster of the two) over its own "
-          "(1.00: it chose the best).", ""] + _plans(study, "flat", worlds)
     L += ["Cells: the fastest stock baseline's step over (e)'s (above 1: (e) is faster)"
           + ("; \"stated\": the same without the measured floor." if a.get("compute_floor_s") else "."),
-          "", "## Per world size", ""]
+          ""]
+    L += ["## The default plan (`--embrace-plan auto`), flat", "",
+          "What the planner chooses from the regime's rates (shard: the tables row-sharded, the dense gradients "
+          "with the plan's schedule and sizes; stock: the stock step), its step as the simulator prices it over "
+          "c10d's, and the best fixed configuration's step (c10d, EmbRace with the 2D schedule, EmbRace FIFO) "
+          "over its own (1.00: none is faster).", ""] + _plans(study, "flat", worlds)
+    L += ["## Per world size", ""]
     for topo in a["topologies"]:
         for w in worlds:
             L += _detail(study, topo, w)
