@@ -11,8 +11,10 @@ logs the plan on rank 0 and returns it; the architectures build what it says.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
+import time
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -123,6 +125,7 @@ def decide(args: Any, task: Any, stock_cls: Any, tables: List[TableInput]) -> Op
             explicit_choices(PlanInputs(tuple(tables), 0, 1, 1, Rates(1.0, 0.0, 0.0),
                                         output_mode=str(safe_getattr(args, "embrace_output", None) or AUTO)), spec)
         return None
+    started = time.perf_counter()
     dense = _dense_numel(stock_cls, args, task, tables)
     half = bool(safe_getattr(args, "fp16", False) or safe_getattr(args, "bf16", False))
     device = torch.device("cuda") if torch.cuda.is_available() and not safe_getattr(args, "cpu", False) else None
@@ -135,6 +138,7 @@ def decide(args: Any, task: Any, stock_cls: Any, tables: List[TableInput]) -> Op
     schedule = str(safe_getattr(args, "embrace_schedule", None) or "on") == "on"
     plan = resolve(inputs, spec, schedule)
     check_agreed(f"{plan.spec()};{plan.schedule};{plan.bucket_bytes};{plan.piece_bytes}")
+    plan = dataclasses.replace(plan, planning_s=time.perf_counter() - started)
     if collectives.rank() == 0:
         for line in plan.lines(inputs):
             logger.info(line)

@@ -76,6 +76,8 @@ class Plan:
     how: str  # auto, shard, replicate or explicit
     #: what it was decided from (the rates included), for the record
     inputs: Optional[PlanInputs] = field(default=None, compare=False, repr=False)
+    #: seconds the start-up spent planning (the probe included; None: not timed)
+    planning_s: Optional[float] = field(default=None, compare=False)
 
     def choice(self, name: str) -> str:
         return dict(self.choices)[name]
@@ -99,7 +101,8 @@ class Plan:
             "how": self.how, "spec": self.spec(), "schedule": self.schedule, "bucket_bytes": self.bucket_bytes,
             "piece_bytes": self.piece_bytes, "predicted_step_s": self.predicted.step_s,
             "stock_step_s": self.stock.step_s, "predicted_speedup": self.speedup,
-            "sent_bytes": self.predicted.sent_bytes, "stock_sent_bytes": self.stock.sent_bytes}
+            "sent_bytes": self.predicted.sent_bytes, "stock_sent_bytes": self.stock.sent_bytes,
+            "planning_s": self.planning_s}
         if self.inputs is not None:
             out["inputs"] = asdict(self.inputs)
         return out
@@ -120,7 +123,7 @@ class Plan:
         out.append(f"EmbRace plan ({self.how}, {inputs.world_size} ranks): {sched}; {_size(self.predicted.sent_bytes)}"
                    f" per step instead of {_size(self.stock.sent_bytes)}; predicted step "
                    f"{self.predicted.step_s * 1e3:.1f} ms against stock {self.stock.step_s * 1e3:.1f} ms, "
-                   f"{self.speedup:.2f}x")
+                   f"{self.speedup:.2f}x" + (f"; planned in {self.planning_s:.2f} s" if self.planning_s else ""))
         return out
 
 
