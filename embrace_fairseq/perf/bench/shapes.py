@@ -164,8 +164,9 @@ def scaled_buckets(bench_numel: Optional[int], real_numel: Optional[int], bench_
     """
     scale = 1.0 if real_numel is None else bucket_scale(bench_numel, real_numel, bench_bytes, real_bytes)
     e = EXPERT_BUCKETS
-    reduce_numel = max(1, int(e["zero_reduce_bucket_numel"] * real_bytes * scale / bench_bytes))
-    gather_numel = max(1, int(e["zero_allgather_bucket_numel"] * real_bytes * scale / bench_bytes))
+    # DeepSpeed's ZeRO takes bucket sizes in multiples of its start alignment (2 elements)
+    reduce_numel = _even(e["zero_reduce_bucket_numel"] * real_bytes * scale / bench_bytes)
+    gather_numel = _even(e["zero_allgather_bucket_numel"] * real_bytes * scale / bench_bytes)
     out: Dict[str, object] = {
         "scale": scale,
         "real_numel": real_numel,
@@ -183,6 +184,15 @@ def scaled_buckets(bench_numel: Optional[int], real_numel: Optional[int], bench_
     if bench_numel is not None:
         out["bench_buckets"] = _counts(bench_numel * bench_bytes, scale)
     return out
+
+
+def _even(numel: float) -> int:
+    """``numel`` rounded to a multiple of 2, at least 2 (ZeRO's ``nccl_start_alignment_factor``).
+
+    >>> _even(7.9), _even(0.3), _even(10)
+    (8, 2, 10)
+    """
+    return max(2, 2 * int(round(numel / 2)))
 
 
 def _counts(grad_bytes: float, scale: float) -> Dict[str, int]:
