@@ -34,6 +34,7 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase
 from fairseq.models.transformer.transformer_decoder import TransformerDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from fairseq.utils import safe_getattr
+from omegaconf import II
 
 from embrace_fairseq.core.sharded_output import ShardedOutputProjection
 from embrace_fairseq.core.tied_projection import TiedShardedProjection
@@ -324,7 +325,7 @@ class EmbraceTransformerModel(PlanFreeState, TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
-        plan = TP.decide(args, task, stock_class(cls), TP.translation_tables(args, task))
+        plan = TP.decide(args, task, stock_class(cls), TP.translation_tables(args, task), TP.TRANSLATION)
         shared = safe_getattr(args, "share_all_embeddings", False)
         names = [TP.SHARED] if shared else [TP.ENCODER, TP.DECODER]
         with _building_with(table_options_of(args)), _planning(plan, names):
@@ -364,7 +365,11 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
      ("embrace_two_level_allreduce", bool, field(default=False, metadata={"help": TWO_LEVEL_HELP})),
      ("embrace_schedule", ChoiceEnum(list(SCHEDULE_MODES)), field(default="on", metadata={"help": SCHEDULE_HELP})),
      ("embrace_trace", Optional[str], field(default=None, metadata={"help": TRACE_HELP})),
-     ("embrace_plan", Optional[str], field(default=None, metadata={"help": TP.PLAN_HELP}))],
+     ("embrace_plan", Optional[str], field(default=None, metadata={"help": TP.PLAN_HELP})),
+     # the batch the plan prices: a model's configuration holds no dataset options, so
+     # these read them as fairseq's own LM configuration reads the task's (II)
+     ("embrace_max_tokens", Optional[int], field(default=II("dataset.max_tokens"))),
+     ("embrace_batch_size", Optional[int], field(default=II("dataset.batch_size")))],
     bases=(TransformerLanguageModelConfig,),
 )
 EmbraceTransformerLanguageModelConfig.__module__ = __name__
@@ -382,7 +387,7 @@ class EmbraceTransformerLanguageModel(PlanFreeState, TransformerLanguageModel):
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
         if safe_getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = safe_getattr(args, "tokens_per_sample", 1024)
-        plan = TP.decide(args, task, stock_class(cls), TP.lm_tables(args, task))
+        plan = TP.decide(args, task, stock_class(cls), TP.lm_tables(args, task), TP.LM)
         with _building_with(table_options_of(args)), _planning(plan, [TP.DECODER]):
             embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
             decoder = EmbraceTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,

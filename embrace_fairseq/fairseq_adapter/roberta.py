@@ -121,7 +121,7 @@ class EmbraceRobertaModel(PlanFreeState, RobertaModel):
     @classmethod
     def build_model(cls, args, task):
         check_supported(args, lm=False)
-        plan = TP.decide(args, task, stock_class(cls), TP.roberta_tables(args, task))
+        plan = TP.decide(args, task, stock_class(cls), TP.roberta_tables(args, task), TP.MASKED_LM)
         model = super().build_model(args, task)
         if TP.choice(plan, TP.ROBERTA_TABLE) != REPLICATE:  # replicated: the stock table and head
             shard_roberta(model, args)

@@ -66,11 +66,14 @@ class Rates:
     link_bytes_per_s: the all-reduce ring's rate in wire bytes per second per rank.
     latency_s: per message step of a collective.
     compute_s: one training step's forward and backward on one rank, communication aside.
+    compute_from: ``step`` (a timed step of the stock model) or ``flops`` (a matrix
+        product's FLOP rate).
     """
 
     link_bytes_per_s: float
     latency_s: float
     compute_s: float
+    compute_from: str = "flops"
 
     def __post_init__(self) -> None:
         if not (self.link_bytes_per_s > 0 and self.latency_s >= 0 and self.compute_s >= 0):

@@ -123,7 +123,10 @@ class Plan:
         out.append(f"EmbRace plan ({self.how}, {inputs.world_size} ranks): {sched}; {_size(self.predicted.sent_bytes)}"
                    f" per step instead of {_size(self.stock.sent_bytes)}; predicted step "
                    f"{self.predicted.step_s * 1e3:.1f} ms against stock {self.stock.step_s * 1e3:.1f} ms, "
-                   f"{self.speedup:.2f}x" + (f"; planned in {self.planning_s:.2f} s" if self.planning_s else ""))
+                   f"{self.speedup:.2f}x, of which compute {inputs.rates.compute_s * 1e3:.1f} ms ("
+                   + ("a timed step of the stock model" if inputs.rates.compute_from == "step"
+                      else "priced from a matrix product") + ")"
+                   + (f"; planned in {self.planning_s:.2f} s" if self.planning_s else ""))
         return out
 
 

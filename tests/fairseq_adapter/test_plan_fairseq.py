@@ -37,6 +37,7 @@ def test_auto_plan_trains_as_stock_and_says_so(mt_data, tmp_path):
     assert len(lines) == 4, lines  # three tables and the whole
     assert any("decoder.output_projection 56 x 16:" in line for line in lines)
     assert "(auto, 2 ranks)" in lines[-1] and "predicted step" in lines[-1]
+    assert "(a timed step of the stock model)" in lines[-1], lines[-1]  # not the matrix-product fallback
     # what planning cost at start-up (the probe included) is said, and is seconds at most
     planned = float(lines[-1].split("planned in ")[1].split(" s")[0])
     assert 0 < planned < 5.0, lines[-1]
