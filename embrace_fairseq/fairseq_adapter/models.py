@@ -368,8 +368,10 @@ EmbraceTransformerLanguageModelConfig = make_dataclass(
      ("embrace_plan", Optional[str], field(default=None, metadata={"help": TP.PLAN_HELP})),
      # the batch the plan prices: a model's configuration holds no dataset options, so
      # these read them as fairseq's own LM configuration reads the task's (II)
-     ("embrace_max_tokens", Optional[int], field(default=II("dataset.max_tokens"))),
-     ("embrace_batch_size", Optional[int], field(default=II("dataset.batch_size")))],
+     ("embrace_max_tokens", Optional[int], field(default=II("dataset.max_tokens"), metadata={
+         "help": "the tokens per batch the plan prices; follows --max-tokens (set it there)"})),
+     ("embrace_batch_size", Optional[int], field(default=II("dataset.batch_size"), metadata={
+         "help": "the sentences per batch the plan prices; follows --batch-size (set it there)"}))],
     bases=(TransformerLanguageModelConfig,),
 )
 EmbraceTransformerLanguageModelConfig.__module__ = __name__

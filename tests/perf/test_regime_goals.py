@@ -61,7 +61,16 @@ def test_performance_row_takes_the_fastest_baseline_and_the_limit():
     r["meta"] = {"source": {"commit": "0123456789abcdef", "dirty": False}}
     rows = performance_rows("results/x", r)
     assert rows == ["| xlmr/w2/v100-25g | xlmr_base | 1.50x [1.40, 1.60] (sparse_allgather) | "
-                    "1.60x [1.35, 1.80] | - | 1.10x [1.05, 1.14] | 0123456 |"]
+                    "1.60x [1.35, 1.80] | - | 1.10x [1.05, 1.14] | - | 0123456 |"]
+    # beside it, the projection of the real model in the same regime, one NIC per GPU, 16-64 GPUs
+    def proj(world, regime, topo, c10d, e, auto):
+        return {"world_size": world, "regime": regime, "topology": topo,
+                "step_s": {"fairseq_c10d": c10d, "embrace_schedule": e, "embrace_auto": auto}}
+    projection = {"models": {"xlmr_base": {"results": [
+        proj(16, "v100-25g", "flat", 2.0, 1.0, 1.0), proj(64, "v100-25g", "flat", 1.5, 1.0, 0.9),
+        proj(16, "a100-100g", "flat", 9.0, 1.0, 1.0), proj(16, "v100-25g", "nodes_of_8", 9.0, 1.0, 1.0)]}}}
+    (row,) = performance_rows("results/x", r, projection)
+    assert row.endswith("| 1.10x [1.05, 1.14] | 1.50-2.00x / 1.67-2.00x | 0123456 |"), row
 
 
 def test_a_run_whose_floor_drifted_from_its_calibration_is_flagged():

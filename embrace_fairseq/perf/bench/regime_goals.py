@@ -230,14 +230,39 @@ def goals_markdown(rows: List[Dict[str, Any]], source: str = "") -> List[str]:
     return L + [""]
 
 
-TABLE_BEGIN = "<!-- regime-table:begin (python -m embrace_fairseq.perf.bench.regime_goals --write README.md DIR...) -->"
+TABLE_BEGIN_PREFIX = "<!-- regime-table:begin"
 TABLE_END = "<!-- regime-table:end -->"
+#: the simulator's 16-64 GPU projection the table shows beside each measured run
+PROJECTION = Path("results/simulator/regime_projection.json")
 
 
-def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
+def _table_begin(page: Path) -> str:
+    return f"{TABLE_BEGIN_PREFIX} (python -m embrace_fairseq.perf.bench.regime_goals --write {page} DIR...) -->"
+
+
+def projected_cell(projection: Optional[Dict[str, Any]], real_model: str, regime: str) -> str:
+    """The projection of ``real_model`` in ``regime`` at 16-64 GPUs, one NIC per GPU: (e)
+    over c10d and the default plan over c10d, each as its range over the GPU counts."""
+    rows = [r for r in ((projection or {}).get("models", {}).get(real_model, {}).get("results") or [])
+            if r.get("regime") == regime and r.get("topology") == "flat"]
+    if not rows:
+        return "-"
+
+    def span(values: List[float]) -> str:
+        lo, hi = min(values), max(values)
+        return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+    e = [r["step_s"]["fairseq_c10d"] / r["step_s"][SPEEDUP_SUBJECT] for r in rows]
+    auto = [r["step_s"]["fairseq_c10d"] / r["step_s"][AUTO] for r in rows if AUTO in r["step_s"]]
+    return f"{span(e)} / {span(auto) if auto else '-'}"
+
+
+def performance_rows(folder: str, result: Dict[str, Any], projection: Optional[Dict[str, Any]] = None) -> List[str]:
     """Per run key of a regime results file: the real model, (e) over the fastest stock
-    baseline of the run and over c10d, and (e)'s step over the limit, each with its 95 %
-    interval, and the commit (the page cites ``folder`` above the table)."""
+    baseline of the run and over c10d, the default plan over the fastest baseline, and
+    (e)'s step over the limit, each with its 95 % interval; the simulator's projection of
+    the real model at 16-64 GPUs (:func:`projected_cell`), and the commit (the page cites
+    ``folder`` above the table)."""
     rows = []
     src = result.get("meta", {}).get("source") or {}
     # a tree with uncommitted changes (other files than the bench's) is marked, not hidden
@@ -259,7 +284,7 @@ def performance_rows(folder: str, result: Dict[str, Any]) -> List[str]:
         name = f"{key} (synthetic)" if is_synthetic(model) else key
         rows.append(f"| {name}{drift_flag(cal)} | {cal.get('real_model', '-')} | {cell(base[fastest])} ({fastest}) | "
                     f"{cell(base.get('fairseq_c10d'))} | {_auto_cell(result, key, fastest, cell)} | {cell(over)} | "
-                    f"{commit} |")
+                    f"{projected_cell(projection, cal.get('real_model', ''), cal['regime'])} | {commit} |")
     return rows
 
 
@@ -275,18 +300,21 @@ def _auto_cell(result: Dict[str, Any], key: str, fastest: str, cell: Callable[[O
     return f"{cell(paired_ratio_interval(base['step_s'], auto['step_s']))} ({'sharded' if planned else 'stock'})"
 
 
-def performance_table(folders: List[Path]) -> List[str]:
-    L = [TABLE_BEGIN,
+def performance_table(folders: List[Path], page: Path, projection: Optional[Path] = PROJECTION) -> List[str]:
+    proj = json.loads(projection.read_text()) if projection is not None and projection.exists() else None
+    L = [_table_begin(page),
          "| workload/ranks/regime | real model | (e) over the fastest baseline | (e) over c10d | default plan over "
-         "the fastest baseline | (e) step / limit | commit |", "|---|---|---|---|---|---|---|"]
+         "the fastest baseline | (e) step / limit | projected, 16-64 GPUs: (e) / default plan over c10d | commit |",
+         "|---|---|---|---|---|---|---|---|"]
     for d in folders:
-        L += performance_rows(str(d), json.loads((d / "bench.json").read_text()))
+        L += performance_rows(str(d), json.loads((d / "bench.json").read_text()), proj)
     return L + [TABLE_END]
 
 
 def _write_table(page: Path, table: List[str]) -> None:
     text = page.read_text()
-    a, b = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    a = text.index(TABLE_BEGIN_PREFIX)
+    b = text.index(TABLE_END, a) + len(TABLE_END)
     page.write_text(text[:a] + "\n".join(table) + text[b:])
 
 
@@ -302,7 +330,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "every other workload predicted out of sample")
     a = ap.parse_args(argv)
     if a.write:
-        _write_table(a.write, performance_table(a.dirs))
+        _write_table(a.write, performance_table(a.dirs, a.write))
         print(f"wrote the performance table of {len(a.dirs)} folder(s) into {a.write}")
         return 0
     L = ["# Goals of the regime benchmark", ""]
