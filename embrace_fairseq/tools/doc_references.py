@@ -45,6 +45,8 @@ _SCRIPT = re.compile(r"(?<![\w./-])((?:embrace|fairseq)-[a-z][a-z-]*[a-z])(?![\w
 # after a comma a flag is passed through to another program (``-Wl,--exclude-libs,ALL``)
 _FLAG = re.compile(r"(?<![\w,-])(--[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*)(?![\w*-])")
 _FIELD = re.compile(r"^\s+(\w+)\s*:[^=\n]*=\s*field\(", re.M)
+#: make_dataclass's field tuples: ("embrace_plan", Optional[str], field(...))
+_FIELD_TUPLE = re.compile(r"""\(\s*["'](\w+)["'],\s*[^,()]+(?:\([^()]*\))?[^,()]*,\s*field\(""")
 _LITERAL_FLAG = re.compile(r"""["'](--[a-z][a-z0-9_-]*)["'=\s]""")
 #: distutils' option tables: ('inplace', 'i', "help") is --inplace
 _OPTION_TUPLE = re.compile(r"""\(\s*['"]([a-z][a-z0-9-]*)=?['"],\s*(?:['"]\w['"]|None)\s*,""")
@@ -160,6 +162,7 @@ def known_flags(root: Path = ROOT, extra_sources: Sequence[Path] = ()) -> Set[st
         flags.update("--" + name for name in _OPTION_TUPLE.findall(text))
         if "fairseq" in path.parts or "dataclass" in text:
             flags.update("--" + name.replace("_", "-") for name in _FIELD.findall(text))
+            flags.update("--" + name.replace("_", "-") for name in _FIELD_TUPLE.findall(text))
     return flags
 
 
