@@ -19,9 +19,8 @@
 #                 (embrace_auto) and the floor; 4 rounds x 2 steps, each regime its own launch (about 15 min);
 #   mbart_w2, m2m_w2, xlmr_w2  mBART, M2M-100 and XLM-R on 2 ranks pinned to a core each: c10d, ZeRO-2,
 #                 the sparse all-gather during the backward, EmbRace with the 2D schedule, the default plan
-#                 and the floor (ZeRO-1 and the all-gather after the backward were slower than ZeRO-2 and the
-#                 one during it on XLM-R, and 8 steps of each strategy must fit; LARGE_STRATEGIES names
-#                 others); 8 rounds x 1 step, each regime its own launch (about 20 min per model). 4 ranks
+#                 and the floor (8 steps of each strategy must fit; the two baselines left out run in
+#                 mbart_more_w2; LARGE_STRATEGIES names others); 8 rounds x 1 step, each regime its own launch (about 20 min per model). 4 ranks
 #                 do not fit: an XLM-R rank peaks at 7.5 GB (the masked positions' logits over 250k rows,
 #                 the feed-forward activations of 8,192 tokens), 4 ranks would need about 29 GB of 23;
 #   mbart_more_w2 the baselines mbart_w2 leaves out (ZeRO-1, the sparse all-gather after the backward)
@@ -96,14 +95,12 @@ large_w2() {
         --strategies "${LARGE_STRATEGIES:-$LARGE}"
 }
 run_xlmr_w2() { large_w2 xlmr; }
-run_mbart_more_w2() {
+mbart_both_regimes() {  # $1: the run's name, $2: its strategies; both regimes in one launch
   bench --models mbart --worlds 2 --pin-cores --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" --calibration-steps 3 \
-        --timeout 9000 --strategies deepspeed_zero1,sparse_allgather,embrace_schedule,compute_floor --out "$OUT/mbart_more_w2"
+        --timeout 9000 --strategies "$2,compute_floor" --out "$OUT/$1"
 }
-run_mbart_deferred_w2() {
-  bench --models mbart --worlds 2 --pin-cores --rounds "${ROUNDS:-8}" --steps-per-round "${STEPS:-1}" --calibration-steps 3 \
-        --timeout 9000 --strategies embrace_schedule,embrace_eager_output_grad,compute_floor --out "$OUT/mbart_deferred_w2"
-}
+run_mbart_more_w2() { mbart_both_regimes mbart_more_w2 deepspeed_zero1,sparse_allgather,embrace_schedule; }
+run_mbart_deferred_w2() { mbart_both_regimes mbart_deferred_w2 embrace_schedule,embrace_eager_output_grad; }
 run_m2m_w2() { large_w2 m2m; }
 run_mbart_w2() { large_w2 mbart; }
 large_w4() {  # 2 ranks per core here; XLM-R's and mBART's runs for a machine with more memory
