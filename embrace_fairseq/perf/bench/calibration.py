@@ -22,6 +22,16 @@ least bytes any of the run's strategies must send over the link (EmbRace's minim
 [0.3, 0.2]
 >>> limit_steps([0.30, 0.20], min_bytes=62.5e6, gbit=2.0)
 [0.3, 0.25]
+
+The dependency-aware limit adds what no order of the collectives can change: the dense
+gradients of a step exist only once the backward reaches them and must be all-reduced
+before the next forward reads them, so the link carries no dense bytes during the
+*output stretch* (the output layer's forward, the loss and the output layer's input
+gradient, :mod:`.stretch`); a step is at least that stretch plus the dense bytes over the
+link:
+
+>>> dependency_limit_steps([0.30, 0.20], stretch_share=0.25, dense_bytes=50e6, min_bytes=55e6, gbit=2.0)
+[0.3, 0.25]
 """
 from __future__ import annotations
 
@@ -115,3 +125,14 @@ def limit_steps(floor_steps_s: Sequence[float], min_bytes: float, gbit: float) -
     link, whichever is longer."""
     wire = min_bytes / (gbit * 1e9 / 8) if min_bytes and gbit > 0 else 0.0
     return [max(f, wire) for f in floor_steps_s]
+
+
+def dependency_limit_steps(floor_steps_s: Sequence[float], stretch_share: float, dense_bytes: float,
+                           min_bytes: float, gbit: float) -> List[float]:
+    """Per timed step of the floor, the dependency-aware limit: the longest of the floor's
+    step, the least bytes over the link, and the output stretch (``stretch_share`` of the
+    floor's step: the share the stock model's profile measured) plus the dense bytes over
+    the link."""
+    rate = gbit * 1e9 / 8 if gbit > 0 else float("inf")
+    return [max(lim, stretch_share * f + dense_bytes / rate)
+            for f, lim in zip(floor_steps_s, limit_steps(floor_steps_s, min_bytes, gbit))]

@@ -348,10 +348,34 @@ def regimes_section(result: Dict[str, Any]) -> List[str]:
             for s in sorted(over, key=STRATEGIES.index):
                 L.append(f"| {key}{drift_flag(c)} | {get_strategy(s).label} | {over[s]['ratio']:.2f}{_interval(over[s])} |")
         L.append("")
+        L += dependency_limit_table(regimes)
         for real in dict.fromkeys((c["real_model"], c.get("real_model_description", "")) for c in regimes.values()):
             L.append(f"- {real[0]}: {real[1]}")
         L.append("")
     return L + shapes_table(shapes)
+
+
+def dependency_limit_table(regimes: Dict[str, Any]) -> List[str]:
+    """The dependency-aware limit per run (where the profile timed the output stretch) and
+    each EmbRace strategy's step over it."""
+    deps = {k: c["dependency_limit"] for k, c in regimes.items() if c.get("dependency_limit")}
+    if not deps:
+        return []
+    L = ["Dependency-aware limit: max(limit, output stretch + dense bytes / link). The output stretch "
+         "(`perf/bench/stretch.py`: the output layer's forward, the loss and its input gradient, timed on the "
+         "stock model as a share of its step and applied to each floor step) is when no dense gradient can "
+         "be on the link, whatever the order.", "",
+         "| run | stretch s (share) | dense MB / link s | limit s | strategy | step / limit |",
+         "|---|---|---|---|---|---|"]
+    for key, d in deps.items():
+        for s in sorted(d["over_limit"], key=STRATEGIES.index):
+            if not s.startswith("embrace"):
+                continue
+            o = d["over_limit"][s]
+            L.append(f"| {key}{drift_flag(regimes[key])} | {d['stretch_s']:.3f} ({100 * d['stretch_share']:.0f} %) | "
+                     f"{_mb(d['dense_bytes'])} / {d['dense_over_link_s']:.3f} | {d['limit_s']:.3f} | "
+                     f"{get_strategy(s).label} | {o['ratio']:.2f}{_interval(o)} |")
+    return L + [""]
 
 
 def shapes_table(shapes: Dict[str, Any]) -> List[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from embrace_fairseq.perf.bench.attainable import OVER_FIFO, cores_of, machine_limits
-from embrace_fairseq.perf.bench.calibration import limit_steps
+from embrace_fairseq.core.ring_volume import ring_allreduce_bytes
+from embrace_fairseq.perf.bench.calibration import BENCH_ELEMENT_BYTES, dependency_limit_steps, limit_steps
 from embrace_fairseq.perf.bench.keys import link_key, record_link, run_key  # noqa: F401  (re-exported)
 from embrace_fairseq.perf.bench.markdown import markdown
 from embrace_fairseq.perf.bench.plots import plots
@@ -309,12 +310,15 @@ def two_level_check(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def regime_check(runs: List[Dict[str, Any]], calibrations: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def regime_check(runs: List[Dict[str, Any]], calibrations: Dict[str, Dict[str, Any]],
+                 profiles: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Per run key calibrated to a regime: the calibration (real model, measured floor,
     scale, link, latency) and the limit: per timed step of the floor, the floor's step or
     the least minimum bytes of the run's strategies (EmbRace's) over the link, whichever is
     longer (:func:`.calibration.limit_steps`); each strategy's step over it, with the
-    interval (:mod:`.stats`; step ``i`` against the limit of the floor's step ``i``)."""
+    interval (:mod:`.stats`; step ``i`` against the limit of the floor's step ``i``). Where
+    the model's profile timed its output stretch (:mod:`.stretch`), the dependency-aware
+    limit beside it (:func:`.calibration.dependency_limit_steps`, ``dependency_limit``)."""
     by = _by_key(runs)
     out: Dict[str, Any] = {}
     for key, cal in calibrations.items():
@@ -334,8 +338,26 @@ def regime_check(runs: List[Dict[str, Any]], calibrations: Dict[str, Dict[str, A
                 "bound_by": "link" if wire_s > statistics.fmean(floor["step_s"]) else "compute",
                 "over_limit": {s: paired_ratio_interval(r["step_s"], steps) for s, r in per.items()},
             }
+            prof = (profiles or {}).get(floor["model"]) or {}
+            if prof.get("stretch"):
+                entry["dependency_limit"] = dependency_limit(
+                    per, floor, prof["stretch"]["share"], prof["dense_numel"], mins[least])
         out[key] = entry
     return out
+
+
+def dependency_limit(per: Dict[str, Dict[str, Any]], floor: Dict[str, Any], stretch_share: float,
+                     dense_numel: int, min_bytes: float) -> Dict[str, Any]:
+    """The dependency-aware limit of one run (``per``: its strategies' records) and every
+    strategy's step over it: the output stretch (``stretch_share`` of each floor step) plus
+    the dense parameters' ring all-reduce (fp32) over the link, where longer than the plain
+    limit."""
+    dense = ring_allreduce_bytes(dense_numel * BENCH_ELEMENT_BYTES, floor["world_size"])
+    steps = dependency_limit_steps(floor["step_s"], stretch_share, dense, min_bytes, floor["link_gbit"])
+    return {"limit_s": statistics.fmean(steps), "limit_steps_s": steps, "stretch_share": stretch_share,
+            "stretch_s": stretch_share * statistics.fmean(floor["step_s"]), "dense_bytes": dense,
+            "dense_over_link_s": dense / (floor["link_gbit"] * 1e9 / 8),
+            "over_limit": {s: paired_ratio_interval(r["step_s"], steps) for s, r in per.items()}}
 
 
 def workload_shapes(models: List[str]) -> Dict[str, Any]:
@@ -372,6 +394,8 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
                                          "dense_layers": prof["dense_layers"], "_compute": [],
                                          "_tokens": [], "_paths": [], "unique_ids_per_rank": {}})
         pm["_compute"].append(prof["compute_s"])
+        if prof.get("stretch"):
+            pm.setdefault("_stretch", []).append(prof["stretch"])
         b = batches[(model, world)]
         tied = tied_tables(b.workload)  # per table: does the output projection read it
         out_table = _tables(prof)[-1]  # the one a tied output projection reads
@@ -403,6 +427,9 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         comp = pm.pop("_compute")
         pm["compute_s"] = {k: statistics.median(c[k] for c in comp) for k in ("forward", "backward", "optimizer")}
         pm["tokens_per_rank"] = int(round(statistics.fmean(pm.pop("_tokens"))))
+        stretches = pm.pop("_stretch", None)
+        if stretches:  # every launch's profile of the model: the median share
+            pm["stretch"] = min(stretches, key=lambda x: abs(x["share"] - statistics.median(y["share"] for y in stretches)))
         # for the simulator: how EmbRace's automatic choice read a tied table in most steps
         # (None: untied); a run's own recorded bytes say it per world size
         pm["tied_output"] = statistics.mode(pm.pop("_paths") or [None])
@@ -410,7 +437,7 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
     calibrations = {run_key(launch["model"], launch["world_size"], {"regime": c["regime"]}): c
                     for launch in raw for c in launch.get("calibration") or []}
     result = {"meta": meta, "profiles": profiles, "runs": runs, "ratios": _ratios(intervals),
-              "regimes": regime_check(runs, calibrations),
+              "regimes": regime_check(runs, calibrations, profiles),
               "workload_shapes": workload_shapes(list(dict.fromkeys(launch["model"] for launch in raw))),
               "ratio_intervals": intervals, "confidence": CONFIDENCE,
               "layouts": layout_check(runs, intervals), "schedule_ablation": schedule_ablation(runs),

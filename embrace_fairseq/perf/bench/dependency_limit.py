@@ -1,0 +1,150 @@
+"""The dependency-aware limit of finished regime runs.
+
+Runs measured before their profile timed the output stretch (:mod:`.stretch`) hold no
+stretch; this times it for each of their workloads (the stock model, one process, the
+runs' own batches of rank 0) and applies it to every run (:func:`.report.dependency_limit`):
+
+    python -m embrace_fairseq.perf.bench.dependency_limit results/bench/regime/mbart_w2/* \\
+        --out results/bench/regime/dependency_limit
+
+writes ``dependency_limit.json`` (the stretches, the limits, every EmbRace strategy's step
+over them, the commit) and ``dependency_limit.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from embrace_fairseq.perf.provenance import source_state
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def time_stretch(model_name: str, world: int, data: Path, steps: int = 5) -> Dict[str, float]:
+    """The output stretch of ``model_name``'s stock model, its share of the stock step."""
+    import torch
+
+    from embrace_fairseq.perf.bench import workloads as W
+    from embrace_fairseq.perf.bench.stretch import StretchProbe, output_products, summarize, table_grad_seconds
+
+    torch.set_num_threads(1)  # as each bench rank
+    cache = Path(tempfile.gettempdir()) / "embrace_bench_cache"
+    W.prepare_shared_inputs([model_name], data, cache)
+    w = W.workloads(False)[model_name]
+    batches = W.build_task_and_batches(w, world, data, cache)
+    model = W.build_model(w, w.stock_arch, batches.task, data)
+    criterion = W.build_criterion(w, batches.task)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    probe = StretchProbe(model, w.tables)
+    marks, whole, products = [], [], []
+    for i in range(steps + 1):
+        batch = batches.get(i, 0)
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        if i == 0:
+            out: List[Any] = []
+            products = output_products(model, w.tables, lambda: out.extend(criterion(model, batch)))
+            loss, ss, _ = out
+        else:
+            loss, ss, _ = criterion(model, batch)
+        loss = loss / max(1, ss)
+        probe.loss_done()
+        probe.backward_started()
+        loss.backward()
+        opt.step()
+        m = probe.take()
+        if i:
+            marks.append(m)
+            whole.append(time.perf_counter() - t0)
+    probe.close()
+    return summarize(marks, table_grad_seconds(products), statistics.median(whole))
+
+
+def _embrace_rows(key: str, dep: Dict[str, Any], plain: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return [{"run": key, "strategy": s, "over_dependency_limit": o, "over_limit": plain["over_limit"][s]}
+            for s, o in dep["over_limit"].items() if s.startswith("embrace")]
+
+
+def analyse(folders: Sequence[Path], data: Path, steps: int) -> Dict[str, Any]:
+    from embrace_fairseq.perf.bench.report import _by_key, dependency_limit  # noqa: PLC2701
+    from embrace_fairseq.perf.strategies import FLOOR
+
+    results = [(f, json.loads((f / "bench.json").read_text())) for f in folders]
+    stretches: Dict[str, Dict[str, float]] = {}
+    for _, r in results:
+        for run in r["runs"]:
+            if run["model"] not in stretches:
+                print(f"[dependency limit] timing {run['model']}'s output stretch ...", flush=True)
+                stretches[run["model"]] = time_stretch(run["model"], run["world_size"], data, steps)
+    runs: List[Dict[str, Any]] = []
+    for folder, r in results:
+        by = _by_key(r["runs"])
+        for key, cal in (r.get("regimes") or {}).items():
+            per = {s: x for (k, s), x in by.items() if k == key}
+            plain = cal.get("limit")
+            if FLOOR not in per or not plain:
+                continue
+            model = per[FLOOR]["model"]
+            dep = dependency_limit(per, per[FLOOR], stretches[model]["share"], r["profiles"][model]["dense_numel"],
+                                   plain["min_bytes"])
+            runs.append({"folder": str(folder), "run": key, "commit": (r["meta"].get("source") or {}).get("commit"),
+                         "plain_limit_s": plain["limit_s"], "dependency_limit": dep,
+                         "embrace": _embrace_rows(key, dep, plain)})
+    return {"source": source_state(), "stretches": stretches, "runs": runs}
+
+
+def markdown(res: Dict[str, Any]) -> str:
+    from embrace_fairseq.perf.strategies import get_strategy
+
+    src = res["source"]
+    L = ["# The dependency-aware limit of the regime runs", "",
+         f"Stretches timed on commit `{src['commit']}`" + (" with uncommitted changes" if src.get("dirty") else "")
+         + " (`python -m embrace_fairseq.perf.bench.dependency_limit`); each run's steps are its own "
+         "(its commit below).", "",
+         "The output stretch is the part of a step in which no dense gradient can be on the link, whatever the "
+         "order: from the last dense layer's forward to the loss, and from the backward's start to the first "
+         "dense gradient, less the table gradient's product (no dense layer waits for it), timed on the stock "
+         "model in one process as a share of its step (`perf/bench/stretch.py`). Dependency-aware limit = "
+         "max(floor, least bytes / link, stretch + dense bytes / link), per floor step. Ratios: geometric "
+         "means of the paired steps, 95 % Student t intervals.", "",
+         "| workload | output forward s | output backward s | table gradient s | stretch s | share of the step |",
+         "|---|---|---|---|---|---|"]
+    for m, s in res["stretches"].items():
+        L.append(f"| {m} | {s['forward_s']:.3f} | {s['backward_s']:.3f} | {s['table_grad_s']:.3f} | "
+                 f"{s['stretch_s']:.3f} | {100 * s['share']:.1f} % |")
+    L += ["", "| run | limit s | stretch s + dense s | dependency-aware limit s | strategy | step / limit | "
+          "step / dependency-aware limit | commit |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        d = r["dependency_limit"]
+        for e in r["embrace"]:
+            a, b = e["over_limit"], e["over_dependency_limit"]
+            L.append(f"| {r['run']} | {r['plain_limit_s']:.3f} | {d['stretch_s']:.3f} + {d['dense_over_link_s']:.3f} | "
+                     f"{d['limit_s']:.3f} | {get_strategy(e['strategy']).label} | "
+                     f"{a['ratio']:.2f} [{a['low']:.2f}, {a['high']:.2f}] | {b['ratio']:.2f} [{b['low']:.2f}, {b['high']:.2f}] | "
+                     f"{(r['commit'] or '?')[:7]} |")
+    return "\n".join(L) + "\n"
+
+
+def main(argv: Sequence[str] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folders", nargs="+", type=Path, help="regime run folders (each with a bench.json)")
+    p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per workload (their median; default 5)")
+    p.add_argument("--out", type=Path, required=True, help="folder for dependency_limit.json and .md")
+    a = p.parse_args(argv)
+    res = analyse(a.folders, a.data, a.steps)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "dependency_limit.json").write_text(json.dumps(res, indent=1))
+    (a.out / "dependency_limit.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
