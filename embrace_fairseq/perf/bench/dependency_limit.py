@@ -75,6 +75,7 @@ def analyse(folders: Sequence[Path], data: Path, steps: int) -> Dict[str, Any]:
     from embrace_fairseq.perf.bench.report import _by_key, dependency_limit  # noqa: PLC2701
     from embrace_fairseq.perf.strategies import FLOOR
 
+    source = source_state()  # before the timing: the tree it timed
     results = [(f, json.loads((f / "bench.json").read_text())) for f in folders]
     stretches: Dict[str, Dict[str, float]] = {}
     for _, r in results:
@@ -96,7 +97,7 @@ def analyse(folders: Sequence[Path], data: Path, steps: int) -> Dict[str, Any]:
             runs.append({"folder": str(folder), "run": key, "commit": (r["meta"].get("source") or {}).get("commit"),
                          "plain_limit_s": plain["limit_s"], "dependency_limit": dep,
                          "embrace": _embrace_rows(key, dep, plain)})
-    return {"source": source_state(), "stretches": stretches, "runs": runs}
+    return {"source": source, "stretches": stretches, "runs": runs}
 
 
 def markdown(res: Dict[str, Any]) -> str:
