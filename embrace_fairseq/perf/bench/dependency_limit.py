@@ -71,6 +71,12 @@ def _embrace_rows(key: str, dep: Dict[str, Any], plain: Dict[str, Any]) -> List[
             for s, o in dep["over_limit"].items() if s.startswith("embrace")]
 
 
+def _from_results(folder: Path) -> str:
+    """The folder from its ``results/`` on (where it lies in whichever checkout ran this)."""
+    parts = folder.resolve().parts
+    return str(Path(*parts[parts.index("results"):])) if "results" in parts else str(folder)
+
+
 def analyse(folders: Sequence[Path], data: Path, steps: int) -> Dict[str, Any]:
     from embrace_fairseq.perf.bench.report import _by_key, dependency_limit  # noqa: PLC2701
     from embrace_fairseq.perf.strategies import FLOOR
@@ -94,7 +100,7 @@ def analyse(folders: Sequence[Path], data: Path, steps: int) -> Dict[str, Any]:
             model = per[FLOOR]["model"]
             dep = dependency_limit(per, per[FLOOR], stretches[model]["share"], r["profiles"][model]["dense_numel"],
                                    plain["min_bytes"])
-            runs.append({"folder": str(folder), "run": key, "commit": (r["meta"].get("source") or {}).get("commit"),
+            runs.append({"folder": _from_results(folder), "run": key, "commit": (r["meta"].get("source") or {}).get("commit"),
                          "plain_limit_s": plain["limit_s"], "dependency_limit": dep,
                          "embrace": _embrace_rows(key, dep, plain)})
     return {"source": source, "stretches": stretches, "runs": runs}
