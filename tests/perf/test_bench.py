@@ -239,6 +239,9 @@ def test_baselines_record_their_scaled_buckets_and_overlap(tmp_path):
         assert 1 <= len(r["warmup_step_s"]) <= 3 and len(r["step_s"]) == 2
     report = (out / "report.md").read_text()
     assert "## Buckets scaled with the model" in report and "sparse all-gather overlapped" in report
+    # the profile timed the output stretch (the dependency-aware limit's input): a part of the step
+    stretch = res["profiles"]["translation"]["stretch"]
+    assert 0 < stretch["stretch_s"] < stretch["step_s"] and 0 < stretch["share"] < 1
 
 
 @pytest.mark.slow
