@@ -89,7 +89,7 @@ class EmbraceConfig:
         in two levels on gloo (inside the node, across on the rails, inside again: less
         across nodes). Default ``false`` (one ring over all ranks): NCCL already builds
         node-aware rings and trees, and the two levels have run on emulated nodes only, faster
-        than one ring on the translation model (results/bench/regime/nodes_2x2) and slower on
+        than one ring on the translation model (results/bench/regime/nodes_2x2) and no faster on
         the untied LM (results/bench/nodes_2x2_ablation); docs/PERFORMANCE.md.
     """
 
