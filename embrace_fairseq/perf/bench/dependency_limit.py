@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +68,21 @@ def time_stretch(model_name: str, world: int, data: Path, steps: int = 5) -> Dic
     return summarize(marks, table_grad_seconds(products), statistics.median(whole))
 
 
+def time_stretch_apart(model_name: str, world: int, data: Path, steps: int, allocator: str = "auto") -> Dict[str, Any]:
+    """:func:`time_stretch` in a process of its own with the bench ranks' allocator
+    (:mod:`.allocator`: with glibc's the output layer's large blocks fault in again every
+    step, which lengthens the stretch more than the rest of the step)."""
+    from embrace_fairseq.perf.bench.allocator import allocator_env
+
+    extra, what = allocator_env(allocator, os.environ)
+    proc = subprocess.run([sys.executable, "-m", "embrace_fairseq.perf.bench.dependency_limit", "--time-one", model_name, "--world", str(world),
+                           "--data", str(data), "--steps", str(steps)],
+                          env=dict(os.environ, **extra), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"timing {model_name}'s output stretch failed:\n{proc.stderr[-3000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), allocator=what)
+
+
 def _embrace_rows(key: str, dep: Dict[str, Any], plain: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [{"run": key, "strategy": s, "over_dependency_limit": o, "over_limit": plain["over_limit"][s]}
             for s, o in dep["over_limit"].items() if s.startswith("embrace")]
@@ -88,7 +105,7 @@ def analyse(folders: Sequence[Path], data: Path, steps: int) -> Dict[str, Any]:
         for run in r["runs"]:
             if run["model"] not in stretches:
                 print(f"[dependency limit] timing {run['model']}'s output stretch ...", flush=True)
-                stretches[run["model"]] = time_stretch(run["model"], run["world_size"], data, steps)
+                stretches[run["model"]] = time_stretch_apart(run["model"], run["world_size"], data, steps)
     runs: List[Dict[str, Any]] = []
     for folder, r in results:
         by = _by_key(r["runs"])
@@ -120,6 +137,8 @@ def markdown(res: Dict[str, Any]) -> str:
          "model in one process as a share of its step (`perf/bench/stretch.py`). Dependency-aware limit = "
          "max(floor, least bytes / link, stretch + dense bytes / link), per floor step. Ratios: geometric "
          "means of the paired steps, 95 % Student t intervals.", "",
+         "Allocator of the timing: " + ", ".join(sorted({s.get("allocator", "?") for s in res["stretches"].values()}))
+         + " (as the bench ranks).", "",
          "| workload | output forward s | output backward s | table gradient s | stretch s | share of the step |",
          "|---|---|---|---|---|---|"]
     for m, s in res["stretches"].items():
@@ -140,11 +159,18 @@ def markdown(res: Dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("folders", nargs="+", type=Path, help="regime run folders (each with a bench.json)")
+    p.add_argument("folders", nargs="*", type=Path, help="regime run folders (each with a bench.json)")
     p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--steps", type=int, default=5, help="timed steps per workload (their median; default 5)")
-    p.add_argument("--out", type=Path, required=True, help="folder for dependency_limit.json and .md")
+    p.add_argument("--out", type=Path, help="folder for dependency_limit.json and .md")
+    p.add_argument("--time-one", metavar="MODEL", help=argparse.SUPPRESS)  # one workload's stretch, as JSON
+    p.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.time_one:
+        print(json.dumps(time_stretch(a.time_one, a.world, a.data, a.steps)))
+        return 0
+    if a.out is None or not a.folders:
+        p.error("give the run folders and --out")
     res = analyse(a.folders, a.data, a.steps)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "dependency_limit.json").write_text(json.dumps(res, indent=1))
