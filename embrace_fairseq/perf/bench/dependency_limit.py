@@ -84,8 +84,10 @@ def time_stretch_apart(model_name: str, world: int, data: Path, steps: int, allo
 
 
 def _embrace_rows(key: str, dep: Dict[str, Any], plain: Dict[str, Any]) -> List[Dict[str, Any]]:
+    from embrace_fairseq.perf.strategies import get_strategy
+
     return [{"run": key, "strategy": s, "over_dependency_limit": o, "over_limit": plain["over_limit"][s]}
-            for s, o in dep["over_limit"].items() if s.startswith("embrace")]
+            for s, o in dep["over_limit"].items() if get_strategy(s).shards_table]
 
 
 def _from_results(folder: Path) -> str:

@@ -369,7 +369,7 @@ def dependency_limit_table(regimes: Dict[str, Any]) -> List[str]:
          "|---|---|---|---|---|---|"]
     for key, d in deps.items():
         for s in sorted(d["over_limit"], key=STRATEGIES.index):
-            if not s.startswith("embrace"):
+            if not get_strategy(s).shards_table:
                 continue
             o = d["over_limit"][s]
             L.append(f"| {key}{drift_flag(regimes[key])} | {d['stretch_s']:.3f} ({100 * d['stretch_share']:.0f} %) | "
