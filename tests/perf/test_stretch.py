@@ -131,3 +131,18 @@ def test_the_dependency_limit_page_names_each_run_and_its_commit():
     page = markdown(res)
     assert "`abc1234def`" in page and "| mbart | 0.200 | 0.500 | 0.100 | 0.600 | 25.0 % |" in page
     assert "| mbart/w2/a100-100g | 3.500 | 0.700 + 3.400 | 4.100 |" in page and "1.30 [1.20, 1.40] | 2f3c9b3 |" in page
+
+
+def test_profile_steps_times_the_stretch_inside_the_step():
+    from embrace_fairseq.perf.bench.stretch import profile_steps
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (T,))
+    nap = 0.1
+    m = TinyLM(output=nap)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    res = profile_steps(m, TABLES, lambda i: F.cross_entropy(m(ids), ids), opt, steps=2)
+    assert set(res["compute_s"]) == {"forward", "backward", "optimizer"}
+    s = res["stretch"]
+    assert s["stretch_s"] >= 2 * nap - s["table_grad_s"] and s["step_s"] == pytest.approx(sum(res["compute_s"].values()))
+    assert 0 < s["share"] <= 1

@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -33,7 +31,7 @@ def time_stretch(model_name: str, world: int, data: Path, steps: int = 5) -> Dic
     import torch
 
     from embrace_fairseq.perf.bench import workloads as W
-    from embrace_fairseq.perf.bench.stretch import StretchProbe, output_products, summarize, table_grad_seconds
+    from embrace_fairseq.perf.bench.stretch import profile_steps
 
     torch.set_num_threads(1)  # as each bench rank
     cache = Path(tempfile.gettempdir()) / "embrace_bench_cache"
@@ -43,29 +41,12 @@ def time_stretch(model_name: str, world: int, data: Path, steps: int = 5) -> Dic
     model = W.build_model(w, w.stock_arch, batches.task, data)
     criterion = W.build_criterion(w, batches.task)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    probe = StretchProbe(model, w.tables)
-    marks, whole, products = [], [], []
-    for i in range(steps + 1):
-        batch = batches.get(i, 0)
-        opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        if i == 0:
-            out: List[Any] = []
-            products = output_products(model, w.tables, lambda: out.extend(criterion(model, batch)))
-            loss, ss, _ = out
-        else:
-            loss, ss, _ = criterion(model, batch)
-        loss = loss / max(1, ss)
-        probe.loss_done()
-        probe.backward_started()
-        loss.backward()
-        opt.step()
-        m = probe.take()
-        if i:
-            marks.append(m)
-            whole.append(time.perf_counter() - t0)
-    probe.close()
-    return summarize(marks, table_grad_seconds(products), statistics.median(whole))
+
+    def loss_of(i: int):
+        loss, ss, _ = criterion(model, batches.get(i, 0))
+        return loss / max(1, ss)
+
+    return profile_steps(model, w.tables, loss_of, opt, steps)["stretch"]
 
 
 def time_stretch_apart(model_name: str, world: int, data: Path, steps: int, allocator: str = "auto") -> Dict[str, Any]:

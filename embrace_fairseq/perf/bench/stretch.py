@@ -148,3 +148,43 @@ def summarize(steps: Sequence[Dict[str, float]], table_grad_s: float, step_s: fl
     stretch = max(0.0, fwd + bwd - table_grad_s)
     return {"forward_s": fwd, "backward_s": bwd, "table_grad_s": table_grad_s, "stretch_s": stretch,
             "step_s": step_s, "share": stretch / step_s if step_s > 0 else 0.0}
+
+
+def profile_steps(model: nn.Module, tables: Sequence[str], loss_of: Callable[[int], torch.Tensor],
+                  optimizer: torch.optim.Optimizer, steps: int) -> Dict[str, Dict[str, float]]:
+    """Time ``steps`` steps of a stock model after one untimed (which records the output
+    products): ``loss_of(i)`` runs step ``i``'s forward and loss. Returns the median
+    ``compute_s`` (forward, backward, optimizer) and the ``stretch`` (:func:`summarize`)
+    as a share of their sum."""
+    fwd: List[float] = []
+    bwd: List[float] = []
+    opt: List[float] = []
+    marks: List[Dict[str, float]] = []
+    products: List[Tuple[int, int, int]] = []
+    probe = StretchProbe(model, tables)
+    try:
+        for i in range(steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            if i == 0:  # untimed: the output products' shapes (a function mode slows every op)
+                out: List[torch.Tensor] = []
+                products = output_products(model, tables, lambda: out.append(loss_of(0)))
+                loss = out[0]
+            else:
+                loss = loss_of(i)
+            probe.loss_done()
+            t1 = time.perf_counter()
+            probe.backward_started()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            m = probe.take()
+            if i:
+                fwd.append(t1 - t0), bwd.append(t2 - t1), opt.append(t3 - t2)
+                marks.append(m)
+    finally:
+        probe.close()
+    compute = {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
+               "optimizer": statistics.median(opt)}
+    return {"compute_s": compute, "stretch": summarize(marks, table_grad_seconds(products), sum(compute.values()))}

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from embrace_fairseq.deepspeed_adapter.cpu_comm import skip_shm_allreduce
-from embrace_fairseq.perf.bench.stretch import StretchProbe, output_products, summarize, table_grad_seconds
+from embrace_fairseq.perf.bench.stretch import profile_steps
 from embrace_fairseq.perf.strategies import FLOOR, REFERENCE, get_strategy
 
 
@@ -423,41 +423,18 @@ def _profile(built, batches, spec, w) -> Dict[str, Any]:
         model = W.build_model(w, w.stock_arch, batches.task, Path(spec["data"]))
         criterion = W.build_criterion(w, batches.task)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    fwd, bwd, st = [], [], []
-    stretches, products = [], []
-    probe = StretchProbe(model, w.tables)
-    for i in range(spec["profile_steps"]):
-        batch = batches.get(i, 0)
-        opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        if i == 0:  # untimed: the output products' shapes (a function mode slows every op)
-            out: List[Any] = []
-            products = output_products(model, w.tables, lambda: out.extend(criterion(model, batch)))
-            loss, ss, _ = out
-        else:
-            loss, ss, _ = criterion(model, batch)
-        loss = loss / max(1, ss)
-        probe.loss_done()
-        t1 = time.perf_counter()
-        probe.backward_started()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        marks = probe.take()
-        if i > 0:
-            fwd.append(t1 - t0), bwd.append(t2 - t1), st.append(t3 - t2)
-            stretches.append(marks)
-    probe.close()
+    def loss_of(i: int) -> torch.Tensor:
+        loss, ss, _ = criterion(model, batches.get(i, 0))
+        return loss / max(1, ss)
+
+    timed = profile_steps(model, w.tables, loss_of, opt, spec["profile_steps"] - 1)
     params = dict(model.named_parameters())
     tables = [{"name": t, "vocab": int(params[t].shape[0]), "dim": int(params[t].shape[1])} for t in w.tables]
     return {
-        "compute_s": {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
-                      "optimizer": statistics.median(st)},
+        "compute_s": timed["compute_s"],
         # the output stretch (perf/bench/stretch.py): its share of this step sets the
         # dependency-aware limit of every run of the model
-        "stretch": summarize(stretches, table_grad_seconds(products),
-                             statistics.median(fwd) + statistics.median(bwd) + statistics.median(st)),
+        "stretch": timed["stretch"],
         "dense_layers": W.dense_layers(model, w),
         "dense_numel": int(sum(p.numel() for n, p in params.items() if n not in w.tables)),
         # the tables as one (the simulator's view: all rows sharded, one id space)
