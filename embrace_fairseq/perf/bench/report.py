@@ -429,7 +429,8 @@ def assemble(meta: Dict[str, Any], raw: List[Dict[str, Any]], batches: Dict[Tupl
         pm["tokens_per_rank"] = int(round(statistics.fmean(pm.pop("_tokens"))))
         stretches = pm.pop("_stretch", None)
         if stretches:  # every launch's profile of the model: the median share
-            pm["stretch"] = min(stretches, key=lambda x: abs(x["share"] - statistics.median(y["share"] for y in stretches)))
+            mid = statistics.median(x["share"] for x in stretches)
+            pm["stretch"] = min(stretches, key=lambda x: abs(x["share"] - mid))
         # for the simulator: how EmbRace's automatic choice read a tied table in most steps
         # (None: untied); a run's own recorded bytes say it per world size
         pm["tied_output"] = statistics.mode(pm.pop("_paths") or [None])
